@@ -1,0 +1,112 @@
+"""`conveyor generate | serve | bench`: the command line.
+
+Engine flags are shared by every subcommand and named as in vLLM (`--max-num-seqs`, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from conveyor.config import SCHEDULERS, EngineConfig
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default="smollm2-135m",
+                   help="HF model directory, .gguf file, HF hub id, or built-in name (default: smollm2-135m)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (default: the model's)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--kv-cache-memory", type=float, default=None,
+                   help="GiB for the KV cache (default: half the free memory, at most 4 GiB on CPU)")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    g.add_argument("--scheduler", default="iteration", choices=SCHEDULERS,
+                   help="batching strategy (default: iteration)")
+    g.add_argument("--batch-size", type=int, default=8, help="static/dynamic: requests per batch")
+    g.add_argument("--batch-timeout-ms", type=float, default=50.0, help="dynamic: longest wait for a batch")
+    g.add_argument("--max-num-partial-prefills", type=int, default=4,
+                   help="iteration: long prompts prefilled concurrently")
+    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="turn automatic prefix caching off")
+    g.add_argument("--admission-reserve", action="store_true",
+                   help="admit a request only if its prompt and its whole remaining output fit in KV")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
+    return EngineConfig(
+        model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
+        block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        scheduler=args.scheduler, batch_size=args.batch_size, batch_timeout_ms=args.batch_timeout_ms,
+        max_num_partial_prefills=args.max_num_partial_prefills,
+        enable_prefix_caching=args.enable_prefix_caching, admission_reserve=args.admission_reserve,
+        seed=args.seed, **extra,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from conveyor.llm import LLM
+    from conveyor.sampling_params import SamplingParams
+
+    cfg = engine_config_from_args(args)
+    llm = LLM(**{k: v for k, v in vars(cfg).items()})
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            seed=args.sampling_seed)
+    if args.chat:
+        outs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
+    else:
+        outs = llm.generate([args.prompt], params, use_tqdm=False)
+    print(outs[0].outputs[0].text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "bench":
+        from conveyor.bench.cli import main as bench_main
+
+        return bench_main(argv[1:])
+    parser = argparse.ArgumentParser(prog="conveyor", description=__doc__)
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one prompt with the model and print the text")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message (chat template)")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    add_engine_args(gen)
+
+    serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
+    add_engine_args(serve)
+    from conveyor.server.api_server import add_server_args
+
+    add_server_args(serve)
+    sub.add_parser("bench", help="the batching lab (see `conveyor bench --help`)")
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.WARNING),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+        if args.command == "serve":
+            from conveyor.server.api_server import run_server
+
+            return run_server(args)
+    except ValueError as e:
+        print(f"conveyor: error: {e}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Engine-wide settings: the knobs a user turns (named as in vLLM) and what follows from them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SCHEDULERS = ("static", "dynamic", "continuous", "iteration")
+
+
+@dataclass
+class EngineConfig:
+    model: str = "smollm2-135m"
+    tokenizer: str | None = None
+    dtype: str = "auto"  # auto | bfloat16 | float16 | float32
+    device: str = "auto"  # auto | cpu | cuda
+    block_size: int = 16
+    kv_cache_memory: float | None = None  # GiB; None: a fraction of free memory
+    kv_cache_memory_fraction: float = 0.5  # of free memory, used when kv_cache_memory is None
+    num_kv_blocks: int | None = None  # override (tests): exact pool size
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    scheduler: str = "iteration"
+    batch_size: int = 8  # static / dynamic: requests per batch
+    batch_timeout_ms: float = 50.0  # dynamic: the longest the oldest request waits for a batch
+    max_num_partial_prefills: int = 4  # iteration: long prompts prefilled at once
+    long_prefill_token_threshold: int = 0  # iteration: a prompt above this counts as long (0: budget/8)
+    priority_aging_steps: int = 64  # iteration: steps of waiting that earn one priority level
+    enable_prefix_caching: bool = True
+    admission_reserve: bool = False  # admit only if prompt + remaining output fits (mini-sglang style)
+    seed: int = 0
+    served_model_name: str | None = None
+    trust_remote_code: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two in [1, 128], got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")

@@ -1,0 +1,127 @@
+"""The offline API, shaped like vLLM's so a user can switch in one line.
+
+    from conveyor import LLM, SamplingParams
+    llm = LLM(model="smollm2-135m")
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from conveyor.config import EngineConfig
+from conveyor.engine.llm_engine import LLMEngine
+from conveyor.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from conveyor.request import Request
+from conveyor.sampling_params import SamplingParams
+
+PromptType = str | dict | list[int]
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2-135m", **kwargs) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self.tokenizer = self.engine.tokenizer
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def _to_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, self.engine.tokenize(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self._to_ids(prompt["prompt"])
+            raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; results come back in input order."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = sampling_params or SamplingParams()
+        param_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(param_list) != len(prompts):
+            raise ValueError("sampling_params must be one SamplingParams or one per prompt")
+        encoded = [self._to_ids(p) for p in prompts]  # validate everything before queueing anything
+        for (_, ids), sp in zip(encoded, param_list):
+            self.engine.validate_prompt(ids, sp)
+        groups: list[tuple[str | None, list[int], list[Request]]] = []
+        for i, ((text, ids), sp) in enumerate(zip(encoded, param_list)):
+            reqs = self.engine.add_request(ids, sp, priority=priority[i] if priority else 0)
+            groups.append((text, ids, reqs))
+        self._run(sum(len(g[2]) for g in groups), use_tqdm)
+        return [self._output(text, ids, reqs) for text, ids, reqs in groups]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of messages) or a list of them, rendered with the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt)} for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        if not conversation:
+            raise ValueError("messages must not be empty")
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError("this model's tokenizer has no chat template")
+        out = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                 tokenize=True)
+        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+    def _run(self, total: int, use_tqdm: bool) -> None:
+        sched = self.engine.scheduler
+        sched.input_ended = True
+        bar = None
+        if use_tqdm and total > 1:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=total, desc="Processed requests", unit="req", dynamic_ncols=True)
+        start, out_tokens = time.monotonic(), 0
+        try:
+            while self.engine.has_unfinished_requests():
+                deltas = self.engine.step()
+                out_tokens += sum(len(d.new_token_ids) for d in deltas)
+                if bar is not None:
+                    done = sum(1 for d in deltas if d.finished)
+                    bar.set_postfix_str(f"output {out_tokens / max(time.monotonic() - start, 1e-9):.1f} tok/s",
+                                        refresh=False)
+                    bar.update(done)
+        finally:
+            sched.input_ended = False
+            if bar is not None:
+                bar.close()
+
+    @staticmethod
+    def _output(text: str | None, ids: list[int], reqs: list[Request]) -> RequestOutput:
+        outs = [CompletionOutput(index=r.index, text=r.output_text, token_ids=list(r.output_token_ids),
+                                 cumulative_logprob=r.cumulative_logprob if r.logprobs is not None else None,
+                                 logprobs=r.logprobs, finish_reason=r.finish_reason, stop_reason=r.stop_reason)
+                for r in reqs]
+        r0 = reqs[0]
+        metrics = RequestMetrics(r0.arrival_time, r0.first_scheduled_time, r0.first_token_time,
+                                 max((r.last_token_time or 0) for r in reqs) or None,
+                                 max((r.finished_time or 0) for r in reqs) or None,
+                                 r0.num_cached_tokens, sum(r.num_preemptions for r in reqs))
+        return RequestOutput(request_id=r0.group_id, prompt=text, prompt_token_ids=ids, outputs=outs,
+                             finished=all(r.finished for r in reqs), metrics=metrics)

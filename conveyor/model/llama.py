@@ -1,0 +1,231 @@
+"""The Llama family (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2) on a paged KV cache.
+
+Weights keep Hugging Face's names so checkpoints load as they are; q/k/v and gate/up are fused
+into one matmul each at load time (fewer, larger GEMMs are what a CPU or GPU runs fastest).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conveyor.model.attention import AttentionMetadata, paged_attention
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+    architecture: str = "LlamaForCausalLM"
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> ModelConfig:
+        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"model architecture {arch!r} is not supported (supported: "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)})")
+        if cfg.get("sliding_window") and cfg.get("use_sliding_window", arch == "MistralForCausalLM"):
+            if cfg["sliding_window"] < cfg.get("max_position_embeddings", 0):
+                raise ValueError("model uses sliding-window attention, which is not supported")
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        attn_bias = bool(cfg.get("attention_bias", False))
+        rope = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+        theta = cfg.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=rope if rope and rope.get("rope_type", rope.get("type")) not in (None, "default")
+            else None,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=attn_bias or arch == "Qwen2ForCausalLM",
+            o_bias=attn_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+            architecture=arch,
+        )
+
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    d = cfg.head_dim
+    # float32 exactly as HF computes it, so positions map to bit-identical angles
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    rs = cfg.rope_scaling
+    if not rs:
+        return inv
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind == "linear":
+        return inv / rs["factor"]
+    if kind == "llama3":
+        factor, low, high = rs["factor"], rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
+        old_ctx = rs.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv
+        low_wl, high_wl = old_ctx / low, old_ctx / high
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > low_wl, inv / factor, inv)
+        mid = (wavelen <= low_wl) & (wavelen >= high_wl)
+        return torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    raise ValueError(f"rope_scaling type {kind!r} is not supported")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's rotate-half convention; x: [T, H, D], cos/sin: [T, 1, D/2]."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.hkv) * self.d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.o_bias)
+        self.scale = self.d ** -0.5
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        q = apply_rope(q.view(t, self.h, self.d), cos, sin)
+        k = apply_rope(k.view(t, self.hkv, self.d), cos, sin)
+        o = paged_attention(q, k, v.view(t, self.hkv, self.d), k_cache, v_cache, meta, self.scale)
+        return self.o_proj(o.reshape(t, self.h * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg).float(), persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm; the caller picks rows to turn into logits."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+        x = self.embed_tokens(input_ids)
+        for layer, (kc, vc) in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, kc, vc, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Take weights named as in HF's LlamaForCausalLM, fusing q/k/v and gate/up."""
+        sd: dict[str, torch.Tensor] = {}
+        get = tensors.pop
+        sd["embed_tokens.weight"] = get("model.embed_tokens.weight")
+        sd["norm.weight"] = get("model.norm.weight")
+        tied = self.cfg.tie_word_embeddings or "lm_head.weight" not in tensors
+        head = tensors.pop("lm_head.weight", None)
+        sd["lm_head.weight"] = sd["embed_tokens.weight"] if tied else head
+        for i in range(self.cfg.num_layers):
+            p = f"model.layers.{i}."
+            sd[f"layers.{i}.input_layernorm.weight"] = get(p + "input_layernorm.weight")
+            sd[f"layers.{i}.post_attention_layernorm.weight"] = get(p + "post_attention_layernorm.weight")
+            a = p + "self_attn."
+            sd[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat(
+                [get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")])
+            if self.cfg.qkv_bias:
+                sd[f"layers.{i}.self_attn.qkv_proj.bias"] = torch.cat(
+                    [get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias")])
+            sd[f"layers.{i}.self_attn.o_proj.weight"] = get(a + "o_proj.weight")
+            if self.cfg.o_bias:
+                sd[f"layers.{i}.self_attn.o_proj.bias"] = get(a + "o_proj.bias")
+            m = p + "mlp."
+            sd[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
+                [get(m + "gate_proj.weight"), get(m + "up_proj.weight")])
+            sd[f"layers.{i}.mlp.down_proj.weight"] = get(m + "down_proj.weight")
+            if self.cfg.mlp_bias:
+                sd[f"layers.{i}.mlp.gate_up_proj.bias"] = torch.cat(
+                    [get(m + "gate_proj.bias"), get(m + "up_proj.bias")])
+                sd[f"layers.{i}.mlp.down_proj.bias"] = get(m + "down_proj.bias")
+        leftover = [k for k in tensors if not k.endswith("rotary_emb.inv_freq")]
+        if leftover:
+            raise ValueError(f"checkpoint has weights this model does not use: {leftover[:5]}")
+        missing, unexpected = self.load_state_dict(sd, strict=False, assign=True)
+        missing = [k for k in missing if k != "inv_freq"]
+        if missing or unexpected:
+            raise ValueError(f"checkpoint does not fit the model: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}")
+        if tied:
+            self.lm_head.weight = self.embed_tokens.weight

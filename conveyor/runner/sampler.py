@@ -1,0 +1,105 @@
+"""Choose the next token for every request in a step, vectorised over the batch.
+
+Order (as in vLLM): penalties -> min_tokens EOS masking -> temperature -> top-k -> top-p -> min-p ->
+sample. Greedy rows take the argmax of the penalised logits. Random rows use the exponential-race
+trick (argmax of p / E, E ~ Exp(1)), which equals multinomial sampling; a seeded request draws its E
+from its own generator, so its tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from conveyor.request import Request
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]  # per row: {token: logprob} for sampled + top-k
+    sampled_logprobs: list[float | None]
+
+
+def _penalise(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    b, v = logits.shape
+    dev = logits.device
+    rows = [i for i, r in enumerate(reqs) if r.params.needs_penalties]
+    for i in rows:  # per penalised request: a bincount over its own tokens (no per-token Python loop)
+        r, p = reqs[i], reqs[i].params
+        out = torch.tensor(r.output_token_ids, dtype=torch.long, device=dev)
+        counts = torch.bincount(out, minlength=v)[:v].to(logits.dtype) if len(out) else None
+        row = logits[i]
+        if p.repetition_penalty != 1.0:
+            seen = torch.zeros(v, dtype=torch.bool, device=dev)
+            seen[torch.tensor(r.all_token_ids, dtype=torch.long, device=dev)] = True
+            pen = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            row = torch.where(seen, pen, row)
+        if counts is not None:
+            row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)
+        logits[i] = row
+    return logits
+
+
+def sample(logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
+    """logits: [B, V] float32, one row per request that samples this step."""
+    b, v = logits.shape
+    dev = logits.device
+    if any(r.params.needs_penalties for r in reqs):
+        logits = _penalise(logits.clone(), reqs)
+    for i, r in enumerate(reqs):  # min_tokens: EOS and stop ids are not allowed yet
+        if len(r.output_token_ids) < r.params.min_tokens:
+            banned = list(r.params.stop_token_ids) + ([] if r.params.ignore_eos else list(r.eos_token_ids))
+            if banned:
+                logits[i, torch.tensor(banned, device=dev)] = float("-inf")
+
+    want_logprobs = any(r.params.logprobs is not None for r in reqs)
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+
+    greedy = torch.tensor([r.params.greedy for r in reqs], device=dev)
+    tokens = logits.argmax(dim=-1)
+    if not bool(greedy.all()):
+        temps = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in reqs], device=dev)
+        x = logits / temps[:, None]
+        top_k = [r.params.top_k if r.params.top_k > 0 else v for r in reqs]
+        if any(k < v for k in top_k):
+            k_t = torch.tensor(top_k, device=dev).clamp(max=v)
+            kth = x.sort(dim=-1, descending=True).values.gather(1, (k_t - 1)[:, None])
+            x = x.masked_fill(x < kth, float("-inf"))
+        top_p = torch.tensor([r.params.top_p for r in reqs], device=dev)
+        if bool((top_p < 1).any()):
+            sorted_x, idx = x.sort(dim=-1, descending=True)
+            probs_sorted = sorted_x.softmax(dim=-1)
+            cum = probs_sorted.cumsum(dim=-1)
+            drop_sorted = (cum - probs_sorted) > top_p[:, None]  # keep the smallest set reaching top_p
+            drop = torch.zeros_like(drop_sorted).scatter(1, idx, drop_sorted)
+            x = x.masked_fill(drop, float("-inf"))
+        probs = x.softmax(dim=-1)
+        min_p = torch.tensor([r.params.min_p for r in reqs], device=dev)
+        if bool((min_p > 0).any()):
+            probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+        race = torch.empty_like(probs).exponential_()
+        for i, r in enumerate(reqs):
+            if r.generator is not None and not r.params.greedy:
+                race[i] = torch.empty(v).exponential_(generator=r.generator).to(dev)
+        sampled = (probs / race).argmax(dim=-1)
+        tokens = torch.where(greedy, tokens, sampled)
+
+    token_list = tokens.tolist()
+    lps: list[dict[int, float] | None] = [None] * b
+    sampled_lp: list[float | None] = [None] * b
+    if raw_logprobs is not None:
+        for i, r in enumerate(reqs):
+            k = r.params.logprobs
+            if k is None:
+                continue
+            row = raw_logprobs[i]
+            entry = {token_list[i]: float(row[token_list[i]])}
+            if k > 0:
+                vals, ids = row.topk(k)
+                for t, val in zip(ids.tolist(), vals.tolist()):
+                    entry.setdefault(t, val)
+            lps[i] = entry
+            sampled_lp[i] = entry[token_list[i]]
+    return SampleResult(token_list, lps, sampled_lp)

@@ -1,0 +1,100 @@
+"""How one request wants its tokens chosen: the vLLM `SamplingParams` surface.
+
+Validation lives here so that the offline API and the HTTP server reject bad
+values with the same message, naming the field, before anything reaches the
+engine.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings (names and meanings follow vLLM / OpenAI)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-k logprobs per sampled token (0: only the sampled one)
+    prompt_logprobs: None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stop_list: list[str] = field(init=False, repr=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.stop_list = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"{name} {why}")
+
+        def finite(name: str, value: float) -> None:
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise bad(name, f"must be a finite number, got {value!r}")
+
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            finite(name, getattr(self, name))
+        if not isinstance(self.n, int) or self.n < 1 or self.n > 128:
+            raise bad("n", f"must be an integer in [1, 128], got {self.n!r}")
+        if self.temperature < 0:
+            raise bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad("top_k", f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not 0 <= self.min_p <= 1:
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", f"must be at least 1, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", f"must be >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if not -2 <= self.presence_penalty <= 2:
+            raise bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        if not -2 <= self.frequency_penalty <= 2:
+            raise bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        if not 0 < self.repetition_penalty <= 2:
+            raise bad("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise bad("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise bad("seed", f"must be an integer, got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop_list):
+            raise bad("stop", "must be non-empty strings")
+        if len(self.stop_list) > 16:
+            raise bad("stop", "may hold at most 16 strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """The params of the `index`-th of `n` samples: n=1, and a distinct seed so samples differ."""
+        seed = None if self.seed is None else self.seed + index
+        return replace(self, n=1, seed=seed)

@@ -1,0 +1,196 @@
+"""The scheduling *mechanism* shared by every batching strategy.
+
+A step is a list of `(request, num_tokens)` under two limits, `max_num_seqs` and
+`max_num_batched_tokens` (the token budget), and under the KV pool's free blocks. The mechanism
+knows how to schedule a running request (preempting others by recompute when the pool is full),
+how to admit a waiting one (reusing cached prefix blocks), and how to retire a finished one. The
+*policy* (see `policies.py`) decides who goes first and who may join; nothing else differs between
+static, dynamic, continuous and iteration-level batching.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from conveyor.config import EngineConfig
+from conveyor.kv_cache import KVCacheManager
+from conveyor.request import Request, Status
+from conveyor.runner.model_runner import ScheduledItem
+
+
+@dataclass
+class Step:
+    """One step's plan, filled in by the policy through the `Scheduler` helpers."""
+
+    token_budget: int
+    max_seqs: int
+    items: list[ScheduledItem] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    admitted: list[Request] = field(default_factory=list)
+    scheduled_ids: set[str] = field(default_factory=set)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(it.num_tokens for it in self.items)
+
+    def has_room(self) -> bool:
+        return self.token_budget > 0 and len(self.items) < self.max_seqs
+
+    def add(self, req: Request, n: int) -> None:
+        self.items.append(ScheduledItem(req, n))
+        self.scheduled_ids.add(req.request_id)
+        self.token_budget -= n
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, policy, max_model_len: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.kv = kv
+        self.policy = policy
+        self.max_model_len = max_model_len
+        self.clock = clock
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.input_ended = False  # offline: no more requests will come (static batches may flush)
+        self.num_preemptions = 0
+        self.step_count = 0
+
+    # --- queue management -------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return None
+        self.finish(req, "abort")
+        return req
+
+    def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+        elif req.status is Status.WAITING:
+            self.waiting.remove(req)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        req.stop_reason = stop_reason
+        req.finished_time = self.clock()
+        self.kv.free(req)
+        self.requests.pop(req.request_id, None)
+        self.policy.on_finish(self, req)
+
+    def preempt(self, req: Request, step: Step) -> None:
+        """Recompute-style preemption: drop its KV, send it to the head of the queue."""
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = Status.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        step.preempted.append(req)
+
+    # --- the step ---------------------------------------------------------------------------------
+    def schedule(self) -> Step:
+        step = Step(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        self.policy.schedule(self, step)
+        for req in self.waiting:
+            req.waited_steps += 1
+        self.step_count += 1
+        return step
+
+    def schedule_running(self, step: Step, order: Iterable[Request], chunk: bool = True,
+                         victims: Callable[[list[Request]], Request] | None = None) -> None:
+        """Give each running request (in `order`) its pending tokens, preempting when KV runs out.
+
+        `victims` picks whom to preempt from the running requests not yet scheduled this step
+        (default: the newest arrival, as vLLM does). With `chunk=False` a request whose pending
+        tokens do not fit the remaining budget waits for the next step instead of being split.
+        """
+        pick = victims or (lambda cands: max(cands, key=lambda r: r.arrival_time))
+        for req in list(order):
+            if req.status is not Status.RUNNING or not step.has_room():
+                continue
+            want = req.num_remaining_work
+            n = min(want, step.token_budget)
+            if n < want and not chunk and want <= self.config.max_num_batched_tokens:
+                continue
+            while not self.kv.allocate_slots(req, n):
+                cands = [r for r in self.running if r is not req and r.request_id not in step.scheduled_ids]
+                if not cands:
+                    self.preempt(req, step)
+                    break
+                self.preempt(pick(cands), step)
+            else:
+                step.add(req, n)
+
+    def admit(self, step: Step, req: Request, chunk: bool = True) -> bool:
+        """Try to move `req` from waiting to running in this step. False when it does not fit."""
+        if not step.has_room():
+            return False
+        cached = self.kv.lookup_prefix(req) if req.num_computed_tokens == 0 else []
+        num_cached = len(cached) * self.kv.block_size
+        want = req.num_tokens - req.num_computed_tokens - num_cached
+        n = min(want, step.token_budget)
+        if n < want and not chunk and (want <= self.config.max_num_batched_tokens or step.items):
+            return False  # whole prompts only; one longer than the whole budget goes alone, chunked
+        if self.config.admission_reserve and not self._fits_with_reserve(req, num_cached):
+            return False
+        if not self.kv.allocate_slots(req, n, cached):
+            return False
+        self.kv.record_prefix_query(req.num_tokens, num_cached)
+        self.waiting.remove(req)
+        self.running.append(req)
+        req.status = Status.RUNNING
+        req.num_computed_tokens += num_cached
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = num_cached
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = self.clock()
+        req.waited_steps = 0
+        step.admitted.append(req)
+        step.add(req, n)
+        return True
+
+    def _fits_with_reserve(self, req: Request, num_cached: int) -> bool:
+        """mini-sglang's rule: admit only if this prompt, its remaining output, and what running
+        requests may still write all fit, so that preemption should never be needed."""
+        bs = self.kv.block_size
+
+        def future_blocks(r: Request) -> int:
+            final = min(r.num_prompt_tokens + r.max_tokens, self.max_model_len)
+            return -(-final // bs) - len(self.kv.block_tables.get(r.request_id, ()))
+
+        need = future_blocks(req) - num_cached // bs + sum(max(future_blocks(r), 0) for r in self.running)
+        return need <= self.kv.pool.num_free
+
+    def update(self, step: Step, token_ids: list[int]) -> list[tuple[Request, int]]:
+        """Advance every scheduled request; return (request, new token) for those that sampled."""
+        sampled: list[tuple[Request, int]] = []
+        k = 0
+        now = self.clock()
+        for it in step.items:
+            req = it.request
+            samples = it.samples
+            req.num_computed_tokens += it.num_tokens
+            self.kv.cache_full_blocks(req)
+            if samples:
+                tok = token_ids[k]
+                k += 1
+                if req.finished:
+                    continue
+                req.output_token_ids.append(tok)
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                req.last_token_time = now
+                sampled.append((req, tok))
+        return sampled

@@ -1,0 +1,152 @@
+"""The four batching strategies, each a small policy over the shared `Scheduler` mechanism.
+
+| policy     | who may join                          | prompt in first step | decodes during a prefill |
+|------------|---------------------------------------|----------------------|--------------------------|
+| static     | a batch of N, when N are waiting      | whole                | the batch runs together  |
+| dynamic    | a batch, at N waiting or a timeout    | whole                | the batch runs together  |
+| continuous | anyone, at every step                 | whole                | wait (prefill-first)     |
+| iteration  | anyone, by priority with aging        | chunked, one budget  | go first, never stall    |
+"""
+
+from __future__ import annotations
+
+from conveyor.config import EngineConfig
+from conveyor.request import Request, Status
+from conveyor.scheduler.core import Scheduler, Step
+
+
+class Policy:
+    name = "base"
+
+    def schedule(self, s: Scheduler, step: Step) -> None:
+        raise NotImplementedError
+
+    def on_finish(self, s: Scheduler, req: Request) -> None:
+        pass
+
+
+class ContinuousPolicy(Policy):
+    """Orca / early vLLM: FCFS; newcomers are prefilled whole, and a step with prefills runs only
+    prefills (running decodes wait one step); otherwise every running request decodes."""
+
+    name = "continuous"
+
+    def schedule(self, s: Scheduler, step: Step) -> None:
+        while s.waiting and s.admit(step, s.waiting[0], chunk=False):
+            pass
+        if step.items:
+            return
+        s.schedule_running(step, s.running, chunk=False)
+
+
+class StaticPolicy(Policy):
+    """Run-to-completion batches: wait until `batch_size` requests are waiting (or the input has
+    ended offline, or `flush_after_s` passed for the oldest), take them, and admit nobody else
+    until every member has finished. Finished members' slots stay idle meanwhile."""
+
+    name = "static"
+
+    def __init__(self, batch_size: int, flush_after_s: float | None = None) -> None:
+        self.batch_size = batch_size
+        self.flush_after_s = flush_after_s
+        self.batch: set[str] = set()
+
+    def ready(self, s: Scheduler) -> bool:
+        if len(s.waiting) >= self.batch_size or (s.input_ended and s.waiting):
+            return True
+        oldest = min((r.arrival_time for r in s.waiting), default=None)
+        return (oldest is not None and self.flush_after_s is not None
+                and s.clock() - oldest >= self.flush_after_s)
+
+    def schedule(self, s: Scheduler, step: Step) -> None:
+        if not self.batch:
+            if not self.ready(s):
+                return
+            self.batch = {r.request_id for r in list(s.waiting)[: self.batch_size]}
+        s.schedule_running(step, s.running, chunk=True,
+                           victims=lambda cands: max(cands, key=lambda r: r.arrival_time))
+        for req in [r for r in s.waiting if r.request_id in self.batch]:
+            if not s.admit(step, req, chunk=True):
+                break
+
+    def on_finish(self, s: Scheduler, req: Request) -> None:
+        self.batch.discard(req.request_id)
+
+
+class DynamicPolicy(StaticPolicy):
+    """Like static, but a batch also starts when the oldest waiting request has waited
+    `timeout_s` (Triton's dynamic batcher): bounded waiting, still run to completion."""
+
+    name = "dynamic"
+
+    def __init__(self, batch_size: int, timeout_s: float) -> None:
+        super().__init__(batch_size, flush_after_s=timeout_s)
+
+
+class IterationPolicy(Policy):
+    """vLLM v1 / Sarathi style: one token budget per step shared by decodes and prefill chunks.
+
+    - running decodes are scheduled first, so a long prompt never stalls the streams;
+    - prompts are chunked into what is left of the budget; at most `max_partial_prefills` long
+      prompts are in flight at once, so short ones are not stuck behind them;
+    - waiting requests go by effective priority (lower first), which improves by one level every
+      `aging_steps` steps of waiting, so nobody starves; ties go to requests whose prefix is
+      cached (bounded by the same aging), then to the oldest;
+    - preemption picks the lowest-priority, newest running request.
+    """
+
+    name = "iteration"
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.max_partial_prefills = config.max_num_partial_prefills
+        self.long_threshold = config.long_prefill_token_threshold or max(config.max_num_batched_tokens // 8, 1)
+        self.aging_steps = max(config.priority_aging_steps, 1)
+
+    def effective_priority(self, req: Request) -> int:
+        return req.priority - req.waited_steps // self.aging_steps
+
+    def victim(self, cands: list[Request]) -> Request:
+        return max(cands, key=lambda r: (r.priority, r.arrival_time))
+
+    def schedule(self, s: Scheduler, step: Step) -> None:
+        decodes = [r for r in s.running if not r.is_prefill]
+        prefills = [r for r in s.running if r.is_prefill]
+        prefills.sort(key=lambda r: (r.priority, r.arrival_time))
+        s.schedule_running(step, decodes + prefills, chunk=True, victims=self.victim)
+        if step.preempted:
+            return  # the pool is full: admitting more would only thrash
+        long_running = sum(1 for r in s.running if r.is_prefill and r.num_remaining_work > self.long_threshold)
+        for req in self.order_waiting(s):
+            if not step.has_room():
+                break
+            is_long = req.num_tokens - req.num_computed_tokens > self.long_threshold
+            if is_long and long_running >= self.max_partial_prefills:
+                continue
+            if s.admit(step, req, chunk=True):
+                long_running += is_long and req.num_remaining_work > 0
+            elif s.kv.pool.num_free == 0:
+                break
+
+    def order_waiting(self, s: Scheduler) -> list[Request]:
+        waiting = list(s.waiting)
+        if len(waiting) <= 1:
+            return waiting
+        bs = s.kv.block_size
+
+        def key(r: Request):
+            fresh = r.waited_steps < self.aging_steps  # the cache preference is bounded by aging
+            cached = len(s.kv.lookup_prefix(r)) * bs if fresh and r.status is Status.WAITING else 0
+            preempted_first = 0 if r.num_preemptions else 1
+            return (self.effective_priority(r), preempted_first, -cached, r.arrival_time)
+
+        return sorted(waiting, key=key)
+
+
+def make_policy(config: EngineConfig) -> Policy:
+    if config.scheduler == "static":
+        return StaticPolicy(config.batch_size, config.extra.get("static_flush_after_s"))
+    if config.scheduler == "dynamic":
+        return DynamicPolicy(config.batch_size, config.batch_timeout_ms / 1000)
+    if config.scheduler == "continuous":
+        return ContinuousPolicy()
+    return IterationPolicy(config)

