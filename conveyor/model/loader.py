@@ -148,7 +148,36 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _gguf_cache_key(path: Path) -> str:
+    st = path.stat()
+    return hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
 def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Dequantize a GGUF to float32 HF-named tensors. Dequantizing takes seconds, so the result is
+    cached as safetensors (exactly the same values) and reused while the file is unchanged."""
+    from safetensors.torch import load_file, save_file
+
+    cached = cache_dir() / "weights" / f"{_gguf_cache_key(path)}.safetensors"
+    cfg_file = cached.with_suffix(".json")
+    if cached.exists() and cfg_file.exists():
+        try:
+            return ModelConfig(**json.loads(cfg_file.read_text())), load_file(str(cached))
+        except Exception:
+            log.warning("weight cache %s unreadable; dequantizing again", cached)
+    cfg, tensors = _dequantize_gguf(path)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(".tmp")
+        save_file(tensors, str(tmp))
+        tmp.replace(cached)
+        cfg_file.write_text(json.dumps(cfg.__dict__))
+    except OSError as e:
+        log.warning("could not cache dequantized weights in %s: %s", cached, e)
+    return cfg, tensors
+
+
+def _dequantize_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     import gguf
 
     reader = gguf.GGUFReader(str(path))
@@ -180,7 +209,7 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
                     continue  # llama3 rope factors, recomputed from the config
                 raise ValueError(f"GGUF tensor {t.name!r} is not understood")
             name = f"{_GGUF_NAMES[parts[0]]}.{parts[1]}"
-        tensors[name] = torch.from_numpy(np.ascontiguousarray(arr))
+        tensors[name] = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
     vocab = tensors["model.embed_tokens.weight"].shape[0]
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     cfg = ModelConfig(
@@ -205,9 +234,7 @@ def _gguf_tokenizer(path: Path):
     """transformers converts a GGUF's vocabulary into a fast tokenizer; that is slow, so cache it."""
     from transformers import AutoTokenizer
 
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    cached = cache_dir() / "tokenizers" / key
+    cached = cache_dir() / "tokenizers" / _gguf_cache_key(path)
     if (cached / "tokenizer_config.json").exists():
         try:
             return AutoTokenizer.from_pretrained(str(cached))
