@@ -75,16 +75,18 @@ class KVCacheManager:
         table = self.block_tables.get(req.request_id, [])
         total = req.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
         need = -(-total // self.block_size) - len(table) - len(cached)
-        need += sum(1 for b in self._shared_write_blocks(req, table, num_new_tokens))
+        start = req.num_computed_tokens + len(cached) * self.block_size
+        need += sum(1 for b in self._shared_write_blocks(req, table, start, num_new_tokens))
         revived = sum(1 for b in cached if self.pool.ref_cnt[b] == 0)  # leave the free queue
         return max(need, 0) + revived
 
-    def _shared_write_blocks(self, req: Request, table: list[int], num_new_tokens: int):
-        """Indices of existing blocks that this step writes into but other tables share."""
+    def _shared_write_blocks(self, req: Request, table: list[int], start: int, num_new_tokens: int):
+        """Indices of existing blocks that this step writes into (from token `start` on) but other
+        tables share. `start` counts the cached prefix, which is read, never written."""
         if num_new_tokens <= 0:
             return
-        first = req.num_computed_tokens // self.block_size
-        last = (req.num_computed_tokens + num_new_tokens - 1) // self.block_size
+        first = start // self.block_size
+        last = (start + num_new_tokens - 1) // self.block_size
         for i in range(first, min(last + 1, len(table))):
             if self.pool.ref_cnt[table[i]] > 1:
                 yield i
@@ -97,7 +99,8 @@ class KVCacheManager:
         if cached:
             self.pool.touch(list(cached))
             table.extend(cached)
-        for i in list(self._shared_write_blocks(req, table, num_new_tokens)):
+        start = req.num_computed_tokens + len(cached) * self.block_size
+        for i in list(self._shared_write_blocks(req, table, start, num_new_tokens)):
             (fresh,) = self.pool.allocate(1)
             self.pending_copies.append((table[i], fresh))
             self.pool.release([table[i]])
@@ -108,11 +111,12 @@ class KVCacheManager:
             table.extend(self.pool.allocate(need))
         return True
 
-    def fork(self, parent: Request, child: Request) -> None:
-        """Let `child` share every block of `parent` (parallel sampling); writes copy on demand."""
-        table = list(self.block_tables[parent.request_id])
+    def fork(self, parent: Request, child: Request, num_tokens: int) -> None:
+        """Let `child` share the blocks holding `parent`'s first `num_tokens` tokens (parallel
+        sampling). Nothing is copied now: a later write into a shared block copies that block."""
+        table = self.block_tables[parent.request_id][: -(-num_tokens // self.block_size)]
         self.pool.touch(table)
-        self.block_tables[child.request_id] = table
+        self.block_tables[child.request_id] = list(table)
 
     def cache_full_blocks(self, req: Request) -> None:
         """Index the request's newly completed full blocks so later requests can reuse them."""
