@@ -23,7 +23,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity, not field-by-field: requests are compared in queue removals
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -34,6 +34,7 @@ class Request:
     priority: int = 0  # lower is served first (iteration policy)
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None
+    fork_from: Request | None = field(default=None, repr=False)  # n > 1: share this sibling's prompt blocks
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -104,7 +104,8 @@ class LLMEngine:
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(rid, list(prompt_token_ids), params.for_sample(i) if params.n > 1 else params,
                           eos_token_ids=self.eos_token_ids, parent_id=request_id if params.n > 1 else None,
-                          index=i, priority=priority, arrival_time=arrival, cache_salt=cache_salt)
+                          index=i, priority=priority, arrival_time=arrival, cache_salt=cache_salt,
+                          fork_from=reqs[0] if reqs else None)
             self.scheduler.add(req)
             reqs.append(req)
         return reqs

@@ -56,17 +56,29 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.held: dict[str, list[Request]] = {}  # n > 1: siblings waiting for sample 0's prompt
         self.input_ended = False  # offline: no more requests will come (static batches may flush)
         self.num_preemptions = 0
         self.step_count = 0
 
     # --- queue management -------------------------------------------------------------------------
     def add(self, req: Request) -> None:
+        """Queue a request. Siblings of an n > 1 request are held until sample 0 has computed the
+        prompt, then fork its blocks instead of computing the prompt again."""
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        if req.fork_from is not None and not req.fork_from.finished:
+            self.held.setdefault(req.fork_from.request_id, []).append(req)
+        else:
+            req.fork_from = None
+            self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.held)
+
+    def _release_held(self, source: Request) -> None:
+        """Send `source`'s held siblings to the head of the queue (they fork if it still runs)."""
+        for sib in reversed(self.held.pop(source.request_id, [])):
+            self.waiting.appendleft(sib)
 
     def abort(self, request_id: str) -> Request | None:
         req = self.requests.get(request_id)
@@ -78,8 +90,11 @@ class Scheduler:
     def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
         if req.status is Status.RUNNING:
             self.running.remove(req)
-        elif req.status is Status.WAITING:
+        elif req in self.waiting:
             self.waiting.remove(req)
+        elif req.fork_from is not None and req in self.held.get(req.fork_from.request_id, ()):
+            self.held[req.fork_from.request_id].remove(req)
+        self._release_held(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.stop_reason = stop_reason
@@ -92,6 +107,7 @@ class Scheduler:
         """Recompute-style preemption: drop its KV, send it to the head of the queue."""
         self.running.remove(req)
         self.kv.free(req)
+        self._release_held(req)
         req.status = Status.WAITING
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -137,6 +153,8 @@ class Scheduler:
         """Try to move `req` from waiting to running in this step. False when it does not fit."""
         if not step.has_room():
             return False
+        if self._admit_fork(step, req):
+            return True
         cached = self.kv.lookup_prefix(req) if req.num_computed_tokens == 0 else []
         num_cached = len(cached) * self.kv.block_size
         want = req.num_tokens - req.num_computed_tokens - num_cached
@@ -161,6 +179,31 @@ class Scheduler:
         step.add(req, n)
         return True
 
+    def _admit_fork(self, step: Step, req: Request) -> bool:
+        """Parallel sampling: share every block of the sibling that computed the prompt, and
+        recompute only the last prompt token (its own logits). That write lands in the shared,
+        partly filled last block, so the KV manager copies that one block on write."""
+        src = req.fork_from
+        req.fork_from = None
+        if (src is None or src.status is not Status.RUNNING or src.num_computed_tokens < req.num_prompt_tokens
+                or req.num_computed_tokens != 0 or req.output_token_ids):
+            return False
+        self.kv.fork(src, req, req.num_prompt_tokens - 1)
+        req.num_computed_tokens = req.num_prompt_tokens - 1
+        if not self.kv.allocate_slots(req, 1):
+            self.kv.free(req)
+            req.num_computed_tokens = 0
+            return False
+        self.kv.record_prefix_query(req.num_tokens, req.num_prompt_tokens - 1)
+        self.waiting.remove(req)
+        self.running.append(req)
+        req.status = Status.RUNNING
+        req.num_cached_tokens = req.num_prompt_tokens - 1
+        req.first_scheduled_time = req.first_scheduled_time or self.clock()
+        step.admitted.append(req)
+        step.add(req, 1)
+        return True
+
     def _fits_with_reserve(self, req: Request, num_cached: int) -> bool:
         """mini-sglang's rule: admit only if this prompt, its remaining output, and what running
         requests may still write all fit, so that preemption should never be needed."""
@@ -183,6 +226,8 @@ class Scheduler:
             samples = it.samples
             req.num_computed_tokens += it.num_tokens
             self.kv.cache_full_blocks(req)
+            if req.request_id in self.held and req.num_computed_tokens >= req.num_prompt_tokens:
+                self._release_held(req)
             if samples:
                 tok = token_ids[k]
                 k += 1
