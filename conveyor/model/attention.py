@@ -26,13 +26,15 @@ class AttentionGroup:
     token_index: torch.Tensor  # [n] flat token indices that belong to this group
     out_index: torch.Tensor  # [n] where each of those tokens sits in the padded layout
     block_tables: torch.Tensor  # [num_seqs, max_blocks]
-    mask: torch.Tensor  # [num_seqs, 1, max_query_len, max_blocks * block_size] bool, True = attend
+    mask: torch.Tensor | None  # [num_seqs, 1, max_query_len, max_blocks * block_size] bool, True = attend
     identity: bool = False  # tokens already in padded order (a pure decode group): skip the scatter
+    fresh: bool = False  # whole prompts with no earlier context: attend to this step's K/V, plain causal
 
     def to(self, device: torch.device) -> AttentionGroup:
         return AttentionGroup(self.num_seqs, self.max_query_len, self.query_index.to(device),
                               self.token_index.to(device), self.out_index.to(device),
-                              self.block_tables.to(device), self.mask.to(device), self.identity)
+                              self.block_tables.to(device), None if self.mask is None else self.mask.to(device),
+                              self.identity, self.fresh)
 
 
 @dataclass
@@ -55,17 +57,19 @@ def build_metadata(
         starts.append(starts[-1] + q)
     slot_mapping = torch.empty(starts[-1], dtype=torch.long)
     decode = [i for i, q in enumerate(query_lens) if q == 1]
-    prefill = [i for i, q in enumerate(query_lens) if q > 1]
+    fresh = [i for i, q in enumerate(query_lens) if q > 1 and context_lens[i] == q]
+    cont = [i for i, q in enumerate(query_lens) if q > 1 and context_lens[i] > q]
     groups = []
-    for members in (decode, prefill):
+    for members in (decode, fresh, cont):
         if members:
-            group, slots = _build_group(members, query_lens, context_lens, block_tables, starts, block_size)
+            group, slots = _build_group(members, query_lens, context_lens, block_tables, starts, block_size,
+                                        fresh=members is fresh)
             slot_mapping[group.token_index] = slots
             groups.append(group.to(device))
     return AttentionMetadata(slot_mapping.to(device), groups, block_size)
 
 
-def _build_group(members, query_lens, context_lens, block_tables, starts, block_size):
+def _build_group(members, query_lens, context_lens, block_tables, starts, block_size, fresh=False):
     n = len(members)
     max_q = max(query_lens[i] for i in members)
     nbs = [-(-context_lens[i] // block_size) for i in members]
@@ -80,13 +84,14 @@ def _build_group(members, query_lens, context_lens, block_tables, starts, block_
     query_index = torch.where(valid, starts_t[:, None] + j[None, :], 0).reshape(-1)
     # absolute position of each padded query; padding rows look at key 0 only (never all-masked)
     q_pos = torch.where(valid, (ctx_lens - q_lens)[:, None] + j[None, :], 0)
-    k_pos = torch.arange(max_blocks * block_size)
-    mask = k_pos[None, None, :] <= q_pos[:, :, None]  # causal; also hides padding beyond ctx
+    mask = None
+    if not fresh:  # causal; also hides the padding beyond each request's context
+        mask = (torch.arange(max_blocks * block_size)[None, None, :] <= q_pos[:, :, None])[:, None]
     flat_valid = valid.reshape(-1).nonzero().squeeze(1)
     token_index = query_index[flat_valid]
     slots = (tables.gather(1, q_pos // block_size) * block_size + q_pos % block_size).reshape(-1)[flat_valid]
     identity = max_q == 1 and members == list(range(members[0], members[0] + n))
-    group = AttentionGroup(n, max_q, query_index, token_index, flat_valid, tables, mask[:, None], identity)
+    group = AttentionGroup(n, max_q, query_index, token_index, flat_valid, tables, mask, identity, fresh)
     return group, slots
 
 
@@ -109,9 +114,14 @@ def paged_attention(
     for g in meta.groups:
         n, mq = g.num_seqs, g.max_query_len
         qg = q.index_select(0, g.query_index).view(n, mq, h, d).transpose(1, 2)
-        kg = k_cache.index_select(0, g.block_tables.view(-1)).view(n, -1, hkv, d).transpose(1, 2)
-        vg = v_cache.index_select(0, g.block_tables.view(-1)).view(n, -1, hkv, d).transpose(1, 2)
-        og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=gqa)
+        if g.fresh:  # padded keys sit after every valid query, so the causal mask already hides them
+            kg = k.index_select(0, g.query_index).view(n, mq, hkv, d).transpose(1, 2).to(q.dtype)
+            vg = v.index_select(0, g.query_index).view(n, mq, hkv, d).transpose(1, 2).to(q.dtype)
+            og = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            kg = k_cache.index_select(0, g.block_tables.view(-1)).view(n, -1, hkv, d).transpose(1, 2)
+            vg = v_cache.index_select(0, g.block_tables.view(-1)).view(n, -1, hkv, d).transpose(1, 2)
+            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=gqa)
         og = og.transpose(1, 2).reshape(n * mq, h, d)
         if g.identity and len(meta.groups) == 1:
             return og
