@@ -105,3 +105,35 @@ def test_preemption_requeues_at_head_and_everything_completes():
         assert all(len(r.output_token_ids) == 12 for r in reqs), policy
         assert h.sched.num_preemptions > 0, policy
         assert h.kv.pool.num_free == 12, policy
+
+
+def test_iteration_prefers_cached_prefix_but_cold_requests_still_progress():
+    aging = 4
+    h = Harness(scheduler="iteration", max_num_seqs=1, priority_aging_steps=aging)
+    shared = [5] * 12
+    warm_up = h.add(prompt=shared + [1], max_tokens=1)
+    h.run()
+    assert warm_up.finished
+    cold = h.add(prompt=[9] * 13, max_tokens=1)
+    hot = h.add(prompt=shared + [2], max_tokens=1)  # arrives later but its 3 blocks are cached
+    assert h.ids_in(h.step()) == {hot.request_id}
+    assert hot.num_cached_tokens == 12
+    # a steady stream of cache-hitting requests must not starve the cold one beyond the aging bound
+    for i in range(3 * aging):
+        h.add(prompt=shared + [3 + i], max_tokens=1)
+        h.step()
+        if cold.finished:
+            break
+    assert cold.finished, "cache-aware ordering starved a cold request"
+
+
+def test_admission_reserve_avoids_preemption():
+    def preemptions(reserve: bool) -> int:
+        h = Harness(num_blocks=16, scheduler="iteration", admission_reserve=reserve)
+        reqs = [h.add(prompt_len=8, max_tokens=16) for _ in range(4)]
+        h.run()
+        assert all(len(r.output_token_ids) == 16 for r in reqs)
+        return h.sched.num_preemptions
+
+    assert preemptions(False) > 0
+    assert preemptions(True) == 0
