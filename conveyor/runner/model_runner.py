@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import psutil
 import torch
 
@@ -76,11 +77,19 @@ class ModelRunner:
         self.model.inv_freq = self.model.inv_freq.float()
         self.num_blocks = self._num_blocks(config)
         shape = (self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(cfg.num_layers)
-        ]
+        self.kv_caches = [(self._zeros(shape), self._zeros(shape)) for _ in range(cfg.num_layers)]
+
+    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A zeroed cache tensor. Zeros matter: a masked slot still meets softmax weight 0, and 0 * NaN
+        garbage would be NaN. On CPU, calloc'd memory (numpy.zeros) is zero without touching pages,
+        so a multi-GiB pool costs nothing until used; torch.zeros would write every byte at startup."""
+        if self.device.type != "cpu":
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        numel = 1
+        for d in shape:
+            numel *= d
+        return torch.from_numpy(np.zeros(numel * elem, dtype=np.uint8)).view(self.dtype).view(shape)
 
     @property
     def bytes_per_block(self) -> int:
