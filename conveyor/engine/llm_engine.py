@@ -38,7 +38,7 @@ class StepStats:
     request_ids: list[str]
     num_preempted: int
     kv_used_blocks: int
-    kv_used_slots: int  # slots holding a token, over all running requests
+    kv_used_slots: int  # slots of used blocks that hold a token (the rest is waste)
 
 
 class LLMEngine:
@@ -162,14 +162,17 @@ class LLMEngine:
 
     def _record(self, plan: Step, start: float) -> None:
         bs = self.config.block_size
+        tables = self.kv.block_tables
+        # empty slots = the unfilled tail of each request's last block; shared full blocks waste nothing
+        empty = sum(max(len(tables.get(r.request_id, ())) * bs - r.num_computed_tokens, 0)
+                    for r in self.scheduler.running)
+        used_blocks = self.kv.pool.num_used
         self.step_stats.append(StepStats(
             index=self.scheduler.step_count, start=start, duration=time.monotonic() - start,
             num_seqs=len(plan.items), num_tokens=plan.num_tokens,
             num_prefill_tokens=sum(it.num_tokens for it in plan.items if it.num_tokens > 1),
             request_ids=[it.request.group_id for it in plan.items], num_preempted=len(plan.preempted),
-            kv_used_blocks=self.kv.pool.num_used,
-            kv_used_slots=sum(min(r.num_computed_tokens, len(self.kv.block_tables.get(r.request_id, ())) * bs)
-                              for r in self.scheduler.running),
+            kv_used_blocks=used_blocks, kv_used_slots=used_blocks * bs - empty,
         ))
 
     # --- introspection for metrics ------------------------------------------------------------------
