@@ -1,15 +1,229 @@
-"""OpenAI-compatible HTTP server (placeholder until issue 3 lands)."""
+"""`conveyor serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn).
+
+    conveyor serve --model smollm2-135m --port 8000
+    curl localhost:8000/v1/completions -H 'content-type: application/json' \\
+         -d '{"model": "smollm2-135m", "prompt": "Hello", "max_tokens": 16}'
+
+The engine runs in its own thread (`AsyncEngine`); this module only parses, validates, routes
+and formats. Errors always use OpenAI's {"error": {...}} body.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import hmac
+import json
+import logging
+import os
+import signal
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, fields
+
+import uvicorn
+from fastapi import FastAPI
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+import conveyor
+from conveyor.config import EngineConfig
+from conveyor.engine.llm_engine import LLMEngine
+from conveyor.server import protocol as P
+from conveyor.server.async_engine import AsyncEngine
+from conveyor.server.metrics import CONTENT_TYPE, ServerMetrics
+from conveyor.server.serving import ApiError, OpenAIServing, bad_request
+
+log = logging.getLogger("conveyor.server")
+
+
+@dataclass
+class ServerArgs:
+    """The server's own knobs (engine knobs live in `EngineConfig`)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_queued_requests: int | None = 1024
+    engine_loop: str = "thread"  # "inline" runs steps on the event loop (the naive design, for comparison)
+    max_request_bytes: int = 8 * 2**20
+    shutdown_timeout: float = 10.0
+    log_interval: float = 10.0
+    disable_log_requests: bool = False
+    uvicorn_log_level: str = "info"
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> ServerArgs:
+        return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)})
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--served-model-name", default=None,
+                   help="the model name clients send and see (default: the --model value)")
+    g.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $CONVEYOR_API_KEY)")
+    g.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="waiting sequences beyond which new requests get 429")
+    g.add_argument("--static-flush-ms", type=float, default=1000.0,
+                   help="static scheduler: run a partial batch once its oldest request waited this long")
+    g.add_argument("--engine-loop", default="thread", choices=["thread", "inline"],
+                   help="where engine steps run: a dedicated thread (default) or the event loop (for comparison)")
+    g.add_argument("--max-request-bytes", type=int, default=8 * 2**20, help="larger bodies get 413")
+    g.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds in-flight requests get to finish on SIGTERM/SIGINT before they are aborted")
+    g.add_argument("--log-interval", type=float, default=10.0, help="seconds between engine stats log lines")
+    g.add_argument("--disable-log-requests", action="store_true", help="no per-request log line")
+    g.add_argument("--uvicorn-log-level", default="info")
+
+
+async def read_json(request: Request, limit: int) -> dict:
+    """The body as a JSON object: 413 past `limit` bytes, 400 unless it parses to an object."""
+    cl = request.headers.get("content-length", "")
+    if cl.isdigit() and int(cl) > 16 * limit:
+        raise ApiError(413, f"request body is larger than {limit} bytes", code="request_too_large")
+    body, size = bytearray(), 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size <= limit:
+            body += chunk
+        elif size > 16 * limit:
+            break
+    if size > limit:  # read (and dropped) the rest first, so the client sees this answer, not a reset
+        raise ApiError(413, f"request body is larger than {limit} bytes", code="request_too_large")
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError) as e:
+        raise bad_request(f"the body is not valid JSON: {str(e)[:200]}") from None
+    if not isinstance(data, dict):
+        raise bad_request("the body must be a JSON object")
+    return data
+
+
+def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Namespace | None = None,
+              engine: LLMEngine | None = None) -> FastAPI:
+    """Load the engine (unless given) and wire the routes; the engine thread starts with the app."""
+    args = server_args if isinstance(server_args, ServerArgs) else (
+        ServerArgs.from_namespace(server_args) if server_args is not None else ServerArgs())
+    engine = engine or LLMEngine(engine_config)
+    aengine = AsyncEngine(engine, max_queued_requests=args.max_queued_requests, mode=args.engine_loop,
+                          log_interval_s=args.log_interval)
+    metrics = ServerMetrics(engine.model_name, aengine.stats)
+    aengine.metrics = metrics
+    serving = OpenAIServing(aengine, [engine.model_name])
+    logging.getLogger("conveyor.server.requests").disabled = args.disable_log_requests
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await aengine.start()
+        yield
+        await aengine.stop(timeout=10.0)
+
+    app = FastAPI(title="conveyor", version=conveyor.__version__, lifespan=lifespan, docs_url=None,
+                  redoc_url=None, openapi_url=None)
+    app.state.engine = aengine
+    app.state.serving = serving
+    app.state.metrics = metrics
+    app.state.args = args
+
+    def check_key(request: Request) -> None:
+        if not args.api_key:
+            return
+        auth = request.headers.get("authorization", "")
+        token = auth[7:] if auth[:7].lower() == "bearer " else ""
+        if not hmac.compare_digest(token.encode(), args.api_key.encode()):
+            raise ApiError(401, "Incorrect or missing API key; send 'Authorization: Bearer <key>'.",
+                           code="invalid_api_key")
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(P.error_body(str(e.detail), "invalid_request_error", code=str(e.status_code)),
+                            status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(P.error_body(f"internal error: {type(e).__name__}", "internal_error",
+                                         code="internal_error"), status_code=500)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        check_key(request)
+        return await serving.completions(await read_json(request, args.max_request_bytes), request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        check_key(request)
+        return await serving.chat(await read_json(request, args.max_request_bytes), request)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        check_key(request)
+        cards = [P.ModelCard(id=name, root=engine_config.model, max_model_len=engine.max_model_len)
+                 for name in serving.model_names]
+        return Response(P.ModelList(data=cards).model_dump_json(), media_type="application/json")
+
+    @app.get("/health")
+    async def health() -> Response:
+        if aengine.alive:
+            return JSONResponse({"status": "ok"})
+        why = f"the engine is dead: {aengine.error!r}" if aengine.error else "the engine is not running"
+        return JSONResponse(P.error_body(why, "service_unavailable", code="engine_dead"), status_code=503)
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": conveyor.__version__})
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn, plus a clean end for in-flight requests on SIGTERM/SIGINT.
+
+    uvicorn stops accepting and waits `timeout_graceful_shutdown` for open connections, then
+    cancels them mid-body. Here requests get `grace_s` seconds to finish, then the engine aborts
+    them with finish_reason "abort" (streams still end with [DONE]); uvicorn's own timeout is a
+    little longer so it only ever has finished responses to wait for.
+    """
+
+    def __init__(self, app: FastAPI, grace_s: float, **config_kw) -> None:
+        super().__init__(uvicorn.Config(app, timeout_graceful_shutdown=grace_s + 2.0, lifespan="on", **config_kw))
+        self.aengine: AsyncEngine = app.state.engine
+        self.grace_s = grace_s
+
+    async def shutdown(self, *args, **kwargs) -> None:
+        drain = asyncio.ensure_future(self.aengine.abort_all_after(self.grace_s))
+        try:
+            await super().shutdown(*args, **kwargs)
+        finally:
+            drain.cancel()
 
 
 def run_server(args: argparse.Namespace) -> int:
-    raise ValueError("the HTTP server is not built yet")
+    """Serve until SIGTERM/SIGINT; in-flight requests get `--shutdown-timeout` seconds, then exit 0."""
+    from conveyor.cli import engine_config_from_args
+
+    if getattr(args, "log_level", "WARNING").upper() == "WARNING":  # the CLI default: a server logs at INFO
+        logging.getLogger("conveyor").setLevel(logging.INFO)
+    extra = {"static_flush_after_s": args.static_flush_ms / 1000.0}
+    cfg = engine_config_from_args(args, served_model_name=args.served_model_name, extra=extra)
+    sargs = ServerArgs.from_namespace(args)
+    app = build_app(cfg, sargs)
+    server = GracefulServer(app, sargs.shutdown_timeout, host=sargs.host, port=sargs.port,
+                            log_level=sargs.uvicorn_log_level, access_log=False)
+    # uvicorn re-raises the signal it caught once its graceful shutdown is done; with these no-op
+    # handlers in place underneath its own, that re-raise is swallowed and we return 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+    return 0 if server.started else 1

@@ -1,0 +1,120 @@
+"""Prometheus metrics, named like vLLM's with a `conveyor:` prefix.
+
+Engine-wide numbers (queue sizes, KV usage, token counters, step counters) are read at scrape
+time from the latest `EngineStats` snapshot that the engine thread publishes after each step, so
+the engine never touches a metric object and a scrape never touches the engine. Per-request
+numbers (latency histograms, finish reasons) are observed on the HTTP side as streams finish.
+Each server owns a `CollectorRegistry`, so several servers can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+disable_created_metrics()  # no `_created` series, as in vLLM: they double the output for nothing
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A consistent snapshot of the engine, taken on the engine thread between steps."""
+
+    alive: bool = True
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    preemptions: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    steps: int = 0  # steps that ran at least one sequence
+    step_seqs: int = 0  # sum of sequences over those steps
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+class _EngineCollector(Collector):
+    def __init__(self, snapshot: Callable[[], EngineStats], model_name: str) -> None:
+        self.snapshot = snapshot
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.snapshot()
+        labels = ["model_name"]
+        value = [self.model_name]
+
+        def gauge(name: str, doc: str, v: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(f"conveyor:{name}", doc, labels=labels)
+            g.add_metric(value, v)
+            return g
+
+        def counter(name: str, doc: str, v: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(f"conveyor:{name}", doc, labels=labels)
+            c.add_metric(value, v)
+            return c
+
+        yield gauge("engine_alive", "1 while the engine thread runs, 0 once it died.", float(s.alive))
+        yield gauge("num_requests_running", "Sequences in the running batch.", s.running)
+        yield gauge("num_requests_waiting", "Sequences waiting to be scheduled.", s.waiting)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", s.kv_usage)
+        yield gauge("kv_cache_blocks_used", "KV blocks referenced by live sequences.", s.kv_blocks_used)
+        yield gauge("kv_cache_blocks_total", "KV blocks in the pool.", s.kv_blocks_total)
+        yield counter("prompt_tokens", "Prompt tokens admitted.", s.prompt_tokens)
+        yield counter("generation_tokens", "Tokens generated.", s.generation_tokens)
+        yield counter("num_preemptions", "Preemptions (recompute).", s.preemptions)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_queries)
+        yield counter("prefix_cache_hits", "Prompt tokens served by the prefix cache.", s.prefix_hits)
+        yield counter("engine_steps", "Engine steps that ran at least one sequence.", s.steps)
+        yield counter("engine_step_seqs", "Sequences summed over engine steps (mean batch = seqs / steps).",
+                      s.step_seqs)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, snapshot: Callable[[], EngineStats]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_EngineCollector(snapshot, model_name))
+        labels = ["model_name"]
+        self.model_name = model_name
+        self.request_success = Counter("conveyor:request_success", "Finished sequences by finish reason.",
+                                       labels + ["finished_reason"], registry=self.registry)
+        self.ttft = Histogram("conveyor:time_to_first_token_seconds", "Arrival to first token.", labels,
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram("conveyor:inter_token_latency_seconds", "Time between a sequence's tokens.", labels,
+                             buckets=_ITL_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("conveyor:e2e_request_latency_seconds", "Arrival to finish.", labels,
+                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.queue_time = Histogram("conveyor:request_queue_time_seconds", "Arrival to first scheduled.", labels,
+                                    buckets=_LATENCY_BUCKETS, registry=self.registry)
+        # Pre-create the common label sets so they show up (as 0) before the first request.
+        for reason in ("stop", "length", "abort"):
+            self.request_success.labels(model_name, reason)
+
+    def observe_finish(self, reason: str, ttft: float | None, e2e: float | None, queue: float | None) -> None:
+        self.request_success.labels(self.model_name, reason).inc()
+        if ttft is not None:
+            self.ttft.labels(self.model_name).observe(ttft)
+        if e2e is not None:
+            self.e2e.labels(self.model_name).observe(e2e)
+        if queue is not None:
+            self.queue_time.labels(self.model_name).observe(queue)
+
+    def observe_itl(self, seconds: float) -> None:
+        self.itl.labels(self.model_name).observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,221 @@
+"""OpenAI-shaped request and response bodies.
+
+Requests ignore unknown fields (as OpenAI does) but are strict about types where OpenAI is: a
+string is not a number, a bool is not an integer, NaN is not a temperature. Ranges that the
+engine itself guards (`SamplingParams.validate`) are not repeated here; only bounds that keep
+a value from overflowing torch (seeds, top_k, token ids) are.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_serializer
+
+# Strict scalars: ints reject "3" and True; floats accept ints but reject strings, bools and NaN/inf.
+Int = StrictInt
+Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+Bool = StrictBool
+Str = StrictStr
+Int64 = Annotated[StrictInt, Field(ge=-(2**63), le=2**63 - 1)]
+TokenId = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]
+MaxTokens = Annotated[StrictInt, Field(ge=1, le=2**31 - 1)]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: Bool = False
+    continuous_usage_stats: Bool = False
+
+
+class _SamplingFields(_Request):
+    """Fields shared by completions and chat (OpenAI's plus vLLM's extras)."""
+
+    model: Str | None = None
+    max_tokens: MaxTokens | None = None
+    temperature: Float | None = None
+    top_p: Float | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=128)] = 1
+    stream: Bool = False
+    stream_options: StreamOptions | None = None
+    stop: Str | list[Str] | None = None
+    seed: Int64 | None = None
+    presence_penalty: Float = 0.0
+    frequency_penalty: Float = 0.0
+    user: Str | None = None
+    # vLLM extras
+    ignore_eos: Bool = False
+    min_tokens: Annotated[StrictInt, Field(ge=0, le=2**31 - 1)] = 0
+    top_k: Annotated[StrictInt, Field(ge=-1, le=2**31 - 1)] | None = None
+    min_p: Float | None = None
+    repetition_penalty: Float | None = None
+    priority: Int64 = 0
+    stop_token_ids: list[TokenId] | None = None
+    skip_special_tokens: Bool = True
+    include_stop_str_in_output: Bool = False
+
+
+PromptField = Str | list[Str] | list[TokenId] | list[list[TokenId]]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: PromptField
+    logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+    echo: Bool = False
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: Str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Str | list[TextPart] | None = None
+    name: Str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: MaxTokens | None = None
+    logprobs: Bool = False
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+    add_generation_prompt: Bool = True
+
+
+# --- responses ------------------------------------------------------------------------------------
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class UsageInfo(_Response):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(_Response):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: str = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(_Response):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(_Response):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(_Response):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: str = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+
+
+class DeltaMessage(_Response):
+    role: str | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler) -> dict:
+        """A delta names only what it adds (OpenAI sends no `role: null`)."""
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatStreamChoice(_Response):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionChunk(_Response):
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(_Response):
+    id: str
+    object: str = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "conveyor"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(_Response):
+    object: str = "list"
+    data: list[ModelCard]
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | int | None = None) -> dict[str, Any]:
+    """OpenAI's error envelope."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

@@ -1,0 +1,449 @@
+"""OpenAI completions and chat on top of `AsyncEngine`: request -> engine inputs -> response or SSE.
+
+Everything here runs on the event loop and is cheap per token; the only heavy parts (tokenizing
+a long prompt) go to a worker thread. All validation happens before `submit`, so an input either
+gets a 4xx here or is known-good for the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import anyio
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from conveyor.sampling_params import SamplingParams
+from conveyor.server import protocol as P
+from conveyor.server.async_engine import AsyncEngine, EngineDeadError, EngineInput, QueueFullError, Submission
+
+_TOKENIZE_IN_THREAD_CHARS = 4096  # longer prompts are tokenized off the event loop
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "tagged-union"}
+
+
+class ApiError(Exception):
+    """An error that becomes OpenAI's {"error": {...}} body with `status`."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(P.error_body(self.message, self.type, self.param, self.code), status_code=self.status)
+
+
+def bad_request(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+def parse_model(cls: type[BaseModel], data: dict) -> BaseModel:
+    """Validate a JSON object into `cls`; the first problem becomes a 400 naming the field."""
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        parts = [str(p) for p in err["loc"] if not (isinstance(p, str) and (p in _UNION_TAGS or "[" in p))]
+        param = ".".join(parts) or None
+        raise bad_request(f"{param or 'body'}: {err['msg']}", param) from None
+
+
+def _finite(x: float) -> float:
+    """JSON has no -inf: report impossible tokens as -9999 (as vLLM does)."""
+    return x if math.isfinite(x) else -9999.0
+
+
+@dataclass
+class _Choice:
+    """What one sequence produced so far (non-streaming accumulation)."""
+
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class SSEResponse(StreamingResponse):
+    """A stream that always watches for the client leaving, and always runs `on_close`.
+
+    Starlette only listens for disconnects on ASGI < 2.4; this does it on every server, and runs
+    `on_close` even if the body iterator was cancelled before it started, so no request is leaked.
+    """
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                async def run() -> None:
+                    await self.stream_response(send)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(run)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            self.on_close()
+
+
+def _sse(obj: BaseModel | dict) -> str:
+    body = obj.model_dump_json(exclude_unset=False) if isinstance(obj, BaseModel) else json.dumps(obj)
+    return f"data: {body}\n\n"
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+class OpenAIServing:
+    def __init__(self, aengine: AsyncEngine, model_names: list[str]) -> None:
+        self.aengine = aengine
+        self.engine = aengine.engine
+        self.model_names = model_names
+        # A private tokenizer: HF fast tokenizers may refuse concurrent use ("Already borrowed") and the
+        # engine thread decodes with the engine's copy.
+        try:
+            self.tokenizer = copy.deepcopy(self.engine.tokenizer)
+        except Exception:
+            self.tokenizer = self.engine.tokenizer
+        self.max_model_len = self.engine.max_model_len
+        self.vocab_size = self.engine.model_config.vocab_size
+        longest = max((len(t) for t in self.tokenizer.get_vocab()), default=16)
+        # No prompt longer than this many characters can fit in max_model_len tokens: reject without tokenizing.
+        self.max_prompt_chars = self.max_model_len * max(longest, 16) + 1024
+        self._token_strs: dict[int, str] = {}
+
+    # --- shared validation ----------------------------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.model_names:
+            raise ApiError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+    async def tokenize(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        if len(text) > self.max_prompt_chars:
+            raise bad_request(f"{param} is {len(text)} characters long, more than can fit in this model's maximum "
+                              f"context length of {self.max_model_len} tokens", param)
+
+        def enc() -> list[int]:
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+        return await asyncio.to_thread(enc) if len(text) > _TOKENIZE_IN_THREAD_CHARS else enc()
+
+    def sampling_params(self, req: P.CompletionRequest | P.ChatCompletionRequest, max_tokens: int | None,
+                        logprobs: int | None) -> SamplingParams:
+        ids = req.stop_token_ids or []
+        if any(t >= self.vocab_size for t in ids):
+            raise bad_request(f"stop_token_ids must be below the vocabulary size ({self.vocab_size})",
+                              "stop_token_ids")
+        try:
+            return SamplingParams(
+                n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
+                min_p=req.min_p or 0.0, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
+                stop=req.stop, stop_token_ids=ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
+                presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output)
+        except ValueError as e:
+            raise bad_request(str(e), str(e).split(" ", 1)[0]) from None
+
+    def check_prompt(self, ids: list[int], params: SamplingParams, param: str) -> None:
+        n, limit = len(ids), self.max_model_len
+        if n >= limit:
+            raise bad_request(f"This model's maximum context length is {limit} tokens. However, your {param} has "
+                              f"{n} tokens, which leaves no room to generate. Please reduce the length of the "
+                              f"{param}.", param)
+        if params.max_tokens is not None and n + params.max_tokens > limit:
+            raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
+                              f"{n + params.max_tokens} tokens ({n} in the {param}, {params.max_tokens} in the "
+                              f"completion). Please reduce the length of the {param} or of max_tokens.", "max_tokens")
+        try:
+            self.engine.validate_prompt(ids, params)
+        except ValueError as e:
+            raise bad_request(str(e), param) from None
+
+    def submit(self, api_id: str, inputs: list[EngineInput]) -> Submission:
+        try:
+            return self.aengine.submit(api_id, inputs)
+        except QueueFullError as e:
+            raise ApiError(429, str(e), "rate_limit_error", code="queue_full") from None
+        except EngineDeadError as e:
+            raise ApiError(503, str(e), "service_unavailable", code="engine_dead") from None
+
+    def token_str(self, token_id: int) -> str:
+        s = self._token_strs.get(token_id)
+        if s is None:
+            s = self._token_strs[token_id] = self.tokenizer.decode([token_id])
+        return s
+
+    async def collect(self, sub: Submission, request: Request) -> dict[str, _Choice] | None:
+        """Run `sub` to the end; None if the client left first (then it is aborted)."""
+
+        async def run() -> dict[str, _Choice]:
+            out: dict[str, _Choice] = {}
+            async for d in sub:
+                c = out.setdefault(d.request_id, _Choice())
+                c.text.append(d.new_text)
+                c.token_ids.extend(d.new_token_ids)
+                if d.new_logprobs:
+                    c.logprobs.extend(d.new_logprobs)
+                if d.finished:
+                    c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
+            return out
+
+        work = asyncio.ensure_future(run())
+        watch = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not work.done():
+                work.cancel()
+            sub.close()
+        if work not in done:
+            return None
+        try:
+            return work.result()
+        except EngineDeadError as e:
+            raise ApiError(503, str(e), "service_unavailable", code="engine_dead") from None
+
+    @staticmethod
+    def _error_event(e: BaseException) -> str:
+        if isinstance(e, EngineDeadError):
+            body = P.error_body(str(e), "service_unavailable", code="engine_dead")
+        else:
+            body = P.error_body(f"internal error: {e!r}", "internal_error", code="internal_error")
+        return f"data: {json.dumps(body)}\n\n"
+
+    # --- /v1/completions ------------------------------------------------------------------------------
+    async def completions(self, data: dict, request: Request) -> Response:
+        req = parse_model(P.CompletionRequest, data)
+        self.check_model(req.model)
+        prompts = await self._completion_prompts(req.prompt)
+        if "max_tokens" in req.model_fields_set:
+            max_tokens = req.max_tokens
+        else:
+            max_tokens = 16
+        params = self.sampling_params(req, max_tokens, req.logprobs)
+        for _, ids in prompts:
+            self.check_prompt(ids, params, "prompt")
+        api_id = f"cmpl-{uuid.uuid4().hex}"
+        inputs = [EngineInput(f"{api_id}-{i}", ids, params, req.priority) for i, (_, ids) in enumerate(prompts)]
+        sub = self.submit(api_id, inputs)
+        model = req.model or self.model_names[0]
+        echo = [(text if text is not None else self.tokenizer.decode(ids)) if req.echo else None
+                for text, ids in prompts]
+        if req.stream:
+            gen = self._completion_stream(sub, req, model, prompts, echo)
+            return SSEResponse(gen, sub.close)
+        out = await self.collect(sub, request)
+        if out is None:
+            return Response(status_code=499)
+        choices, completion_tokens = [], 0
+        for i, (_, ids) in enumerate(prompts):
+            gid = inputs[i].request_id
+            for j in range(req.n):
+                c = out.get(gid if req.n == 1 else f"{gid}#{j}", _Choice(finish_reason="abort"))
+                completion_tokens += len(c.token_ids)
+                text = "".join(c.text)
+                lp = None
+                if req.logprobs is not None:
+                    lp = self._completion_logprobs(ids if req.echo else [], c.token_ids, c.logprobs,
+                                                   len(echo[i]) if req.echo else 0)
+                choices.append(P.CompletionChoice(index=i * req.n + j, text=(echo[i] or "") + text, logprobs=lp,
+                                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        prompt_tokens = sum(len(ids) for _, ids in prompts)
+        usage = P.UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                            total_tokens=prompt_tokens + completion_tokens)
+        body = P.CompletionResponse(id=api_id, model=model, choices=choices, usage=usage)
+        return Response(body.model_dump_json(), media_type="application/json")
+
+    async def _completion_prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if not prompt:
+            raise bad_request("prompt must not be empty", "prompt")
+        if isinstance(prompt[0], int):
+            return [(None, list(prompt))]
+        if len(prompt) > 256:
+            raise bad_request("prompt may hold at most 256 prompts", "prompt")
+        out = []
+        for p in prompt:
+            if isinstance(p, str):
+                if not p:
+                    raise bad_request("prompt must not be empty", "prompt")
+                out.append((p, await self.tokenize(p, True, "prompt")))
+            else:
+                out.append((None, list(p)))
+        return out
+
+    def _completion_logprobs(self, prompt_ids: list[int], token_ids: list[int], entries: list[dict[int, float]],
+                             offset0: int) -> P.CompletionLogprobs:
+        lp = P.CompletionLogprobs()
+        offset = 0
+        for t in prompt_ids:  # echoed prompt: no logprobs computed for prompt tokens
+            s = self.token_str(t)
+            lp.tokens.append(s)
+            lp.token_logprobs.append(None)
+            lp.top_logprobs.append(None)
+            lp.text_offset.append(offset)
+            offset += len(s)
+        offset = offset0
+        for t, e in zip(token_ids, entries):
+            s = self.token_str(t)
+            lp.tokens.append(s)
+            lp.token_logprobs.append(_finite(e.get(t, -math.inf)))
+            lp.top_logprobs.append({self.token_str(k): _finite(v) for k, v in e.items()})
+            lp.text_offset.append(offset)
+            offset += len(s)
+        return lp
+
+    async def _completion_stream(self, sub: Submission, req: P.CompletionRequest, model: str,
+                                 prompts: list[tuple[str | None, list[int]]], echo: list[str | None]
+                                 ) -> AsyncIterator[str]:
+        created = int(time.time())
+        index_of = {inp.request_id: i for i, inp in enumerate(sub.inputs)}
+        offsets: dict[str, int] = {}
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        completion_tokens = 0
+
+        def chunk(choice: P.CompletionChoice) -> str:
+            c = P.CompletionChunk(id=sub.api_id, created=created, model=model, choices=[choice])
+            return _sse(c)
+
+        try:
+            if req.echo:
+                for i in range(len(prompts)):
+                    for j in range(req.n):
+                        yield chunk(P.CompletionChoice(index=i * req.n + j, text=echo[i]))
+            async for d in sub:
+                completion_tokens += len(d.new_token_ids)
+                if not d.new_text and not d.finished and req.logprobs is None:
+                    continue
+                lp = None
+                if req.logprobs is not None and d.new_logprobs:
+                    off = offsets.get(d.request_id, len(echo[index_of[d.group_id]] or ""))
+                    lp = self._completion_logprobs([], d.new_token_ids, d.new_logprobs, off)
+                    offsets[d.request_id] = off + sum(len(s) for s in lp.tokens)
+                index = index_of[d.group_id] * req.n + d.index
+                yield chunk(P.CompletionChoice(index=index, text=d.new_text, logprobs=lp,
+                                               finish_reason=d.finish_reason, stop_reason=d.stop_reason))
+            if include_usage:
+                pt = sum(len(ids) for _, ids in prompts)
+                usage = P.UsageInfo(prompt_tokens=pt, completion_tokens=completion_tokens,
+                                    total_tokens=pt + completion_tokens)
+                yield _sse(P.CompletionChunk(id=sub.api_id, created=created, model=model, choices=[], usage=usage))
+        except Exception as e:  # the engine died mid-stream: tell the client in-band
+            yield self._error_event(e)
+        finally:
+            sub.close()
+        yield "data: [DONE]\n\n"
+
+    # --- /v1/chat/completions -------------------------------------------------------------------------
+    async def chat(self, data: dict, request: Request) -> Response:
+        req = parse_model(P.ChatCompletionRequest, data)
+        self.check_model(req.model)
+        if req.top_logprobs and not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        ids = await self._render_chat(req)
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        if max_tokens is None:
+            max_tokens = max(self.max_model_len - len(ids), 1)
+        params = self.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        self.check_prompt(ids, params, "messages")
+        api_id = f"chatcmpl-{uuid.uuid4().hex}"
+        sub = self.submit(api_id, [EngineInput(f"{api_id}-0", ids, params, req.priority)])
+        model = req.model or self.model_names[0]
+        if req.stream:
+            return SSEResponse(self._chat_stream(sub, req, model, len(ids)), sub.close)
+        out = await self.collect(sub, request)
+        if out is None:
+            return Response(status_code=499)
+        gid = sub.inputs[0].request_id
+        choices, completion_tokens = [], 0
+        for j in range(req.n):
+            c = out.get(gid if req.n == 1 else f"{gid}#{j}", _Choice(finish_reason="abort"))
+            completion_tokens += len(c.token_ids)
+            lp = self._chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0) if req.logprobs else None
+            choices.append(P.ChatChoice(index=j, message=P.ChatResponseMessage(content="".join(c.text)), logprobs=lp,
+                                        finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        usage = P.UsageInfo(prompt_tokens=len(ids), completion_tokens=completion_tokens,
+                            total_tokens=len(ids) + completion_tokens)
+        body = P.ChatCompletionResponse(id=api_id, model=model, choices=choices, usage=usage)
+        return Response(body.model_dump_json(), media_type="application/json")
+
+    async def _render_chat(self, req: P.ChatCompletionRequest) -> list[int]:
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise bad_request("this model has no chat template; use /v1/completions", "messages")
+        conv = [{"role": m.role, "content": m.text()} for m in req.messages]
+        total = sum(len(m["content"]) for m in conv)
+        if total > self.max_prompt_chars:
+            raise bad_request(f"messages hold {total} characters, more than can fit in this model's maximum "
+                              f"context length of {self.max_model_len} tokens", "messages")
+        try:
+            text = self.tokenizer.apply_chat_template(conv, tokenize=False,
+                                                      add_generation_prompt=req.add_generation_prompt)
+        except Exception as e:  # the template may reject a role order or a role it does not know
+            raise bad_request(f"messages could not be rendered with the chat template: {e}", "messages") from None
+        if not isinstance(text, str):
+            raise bad_request("the chat template did not render to text", "messages")
+        return await self.tokenize(text, False, "messages")
+
+    def _chat_logprobs(self, token_ids: list[int], entries: list[dict[int, float]], top: int) -> P.ChatLogprobs:
+        content = []
+        for t, e in zip(token_ids, entries):
+            s = self.token_str(t)
+            best = sorted(e.items(), key=lambda kv: -kv[1])[:top]
+            content.append(P.ChatTokenLogprob(
+                token=s, logprob=_finite(e.get(t, -math.inf)), bytes=list(s.encode()),
+                top_logprobs=[P.TopLogprob(token=self.token_str(k), logprob=_finite(v),
+                                           bytes=list(self.token_str(k).encode())) for k, v in best]))
+        return P.ChatLogprobs(content=content)
+
+    async def _chat_stream(self, sub: Submission, req: P.ChatCompletionRequest, model: str,
+                           num_prompt: int) -> AsyncIterator[str]:
+        created = int(time.time())
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        completion_tokens = 0
+
+        def chunk(choice: P.ChatStreamChoice) -> str:
+            return _sse(P.ChatCompletionChunk(id=sub.api_id, created=created, model=model, choices=[choice]))
+
+        try:
+            for j in range(req.n):
+                yield chunk(P.ChatStreamChoice(index=j, delta=P.DeltaMessage(role="assistant", content="")))
+            async for d in sub:
+                completion_tokens += len(d.new_token_ids)
+                if not d.new_text and not d.finished and not req.logprobs:
+                    continue
+                lp = None
+                if req.logprobs and d.new_logprobs:
+                    lp = self._chat_logprobs(d.new_token_ids, d.new_logprobs, req.top_logprobs or 0)
+                delta = P.DeltaMessage(content=d.new_text) if d.new_text or not d.finished else P.DeltaMessage()
+                yield chunk(P.ChatStreamChoice(index=d.index, delta=delta, logprobs=lp,
+                                               finish_reason=d.finish_reason, stop_reason=d.stop_reason))
+            if include_usage:
+                usage = P.UsageInfo(prompt_tokens=num_prompt, completion_tokens=completion_tokens,
+                                    total_tokens=num_prompt + completion_tokens)
+                yield _sse(P.ChatCompletionChunk(id=sub.api_id, created=created, model=model, choices=[],
+                                                 usage=usage))
+        except Exception as e:
+            yield self._error_event(e)
+        finally:
+            sub.close()
+        yield "data: [DONE]\n\n"

@@ -1,0 +1,121 @@
+"""Real servers on free loopback ports, running the tiny random Llama.
+
+The shared server runs uvicorn in a thread of the test process: it is a real HTTP server on a
+real socket (the tests speak to it with the official `openai` client), and the test can still
+reach `app.state` to inject faults. The SIGTERM test starts `python -m conveyor serve` as a
+subprocess instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conveyor.config import EngineConfig
+from conveyor.server.api_server import GracefulServer, ServerArgs, build_app
+
+API_KEY = "test-key"
+MODEL = "tiny"
+NUM_KV_BLOCKS = 160
+MAX_MODEL_LEN = 512
+
+
+@dataclass
+class Server:
+    url: str
+    app: object
+    server: GracefulServer
+    thread: threading.Thread
+    api_key: str | None
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def scrape(self) -> dict[str, float]:
+        """/metrics as {name or name{label=value}: value} (label sets summed under the bare name too)."""
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        out: dict[str, float] = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                out[s.name] = out.get(s.name, 0.0) + s.value
+                for k, v in s.labels.items():
+                    if k != "model_name":
+                        key = f"{s.name}{{{k}={v}}}"
+                        out[key] = out.get(key, 0.0) + s.value
+        return out
+
+    def wait_idle(self, timeout: float = 5.0) -> dict[str, float]:
+        """Wait until nothing runs or waits and no KV block is referenced; return the last scrape."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.scrape()
+            idle = (m["conveyor:num_requests_running"] == 0 and m["conveyor:num_requests_waiting"] == 0
+                    and m["conveyor:kv_cache_blocks_used"] == 0)
+            if idle or time.monotonic() > deadline:
+                return m
+            time.sleep(0.02)
+
+
+def free_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+def tiny_config(model_dir, **overrides) -> EngineConfig:
+    kw = dict(model=str(model_dir), served_model_name=MODEL, dtype="float32", device="cpu",
+              num_kv_blocks=NUM_KV_BLOCKS, block_size=16, max_model_len=MAX_MODEL_LEN, max_num_seqs=64,
+              max_num_batched_tokens=1024)
+    kw.update(overrides)
+    return EngineConfig(**kw)
+
+
+@contextlib.contextmanager
+def run_server(config: EngineConfig, args: ServerArgs | None = None) -> Iterator[Server]:
+    args = args or ServerArgs()
+    app = build_app(config, args)
+    sock = free_socket()
+    port = sock.getsockname()[1]
+    uv = GracefulServer(app, grace_s=1.0, log_level="warning")
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uv.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.01)
+    try:
+        yield Server(f"http://127.0.0.1:{port}", app, uv, thread, args.api_key)
+    finally:
+        uv.should_exit = True
+        thread.join(15)
+        sock.close()
+
+
+@pytest.fixture(scope="session")
+def server(tiny_llama) -> Iterator[Server]:
+    """The shared server: tiny model, 160 KV blocks, an API key, a generous queue."""
+    with run_server(tiny_config(tiny_llama), ServerArgs(api_key=API_KEY, max_queued_requests=256,
+                                                        log_interval=1.0)) as s:
+        yield s
+
+
+@pytest.fixture()
+def client(server):
+    import openai
+
+    with openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0, timeout=60) as c:
+        yield c

@@ -1,0 +1,111 @@
+"""Batching across HTTP requests, client disconnects, and the waiting-queue limit."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import openai
+
+from conveyor.server.api_server import ServerArgs
+
+from .conftest import API_KEY, MODEL, run_server, tiny_config
+
+
+def test_32_concurrent_streams_share_the_batch(server):
+    before = server.wait_idle()
+    n_streams, n_tokens = 32, 40
+    events: list[tuple[float, int]] = []
+
+    async def one(c: openai.AsyncOpenAI, i: int) -> str:
+        stream = await c.completions.create(model=MODEL, prompt=f"Stream number {i} says", max_tokens=n_tokens,
+                                            temperature=0, stream=True, extra_body={"ignore_eos": True})
+        text = []
+        async for chunk in stream:
+            events.append((time.monotonic(), i))
+            text.append(chunk.choices[0].text)
+            if chunk.choices[0].finish_reason is not None:
+                assert chunk.choices[0].finish_reason == "length"
+        return "".join(text)
+
+    async def main() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0, timeout=60,
+                                      http_client=openai.DefaultAsyncHttpxClient(
+                                          limits=httpx.Limits(max_connections=64))) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(n_streams)))
+
+    texts = asyncio.run(main())
+    assert len(texts) == n_streams
+    after = server.wait_idle()
+    assert after["conveyor:kv_cache_blocks_used"] == 0
+    steps = after["conveyor:engine_steps_total"] - before["conveyor:engine_steps_total"]
+    seqs = after["conveyor:engine_step_seqs_total"] - before["conveyor:engine_step_seqs_total"]
+    assert seqs >= n_streams * n_tokens
+    assert seqs / steps > 4, f"mean batch {seqs / steps:.2f}: the streams were not batched"
+    # Interleaving: at the busiest moment many streams were between their first and last chunk.
+    spans = {i: (min(t for t, j in events if j == i), max(t for t, j in events if j == i)) for i in range(n_streams)}
+    overlap = max(sum(1 for a, b in spans.values() if a <= t <= b) for t, _ in events)
+    assert overlap >= 8, f"at most {overlap} streams were live at once"
+
+
+def test_stream_cut_midway_is_aborted_and_frees_blocks(server, client):
+    server.wait_idle()
+    before = server.scrape()
+    stream = client.completions.create(model=MODEL, prompt="A long story:", max_tokens=480, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 3:
+            live = server.scrape()
+            assert live["conveyor:num_requests_running"] == 1 and live["conveyor:kv_cache_blocks_used"] > 0
+            break
+    stream.close()
+    t0 = time.monotonic()
+    after = server.wait_idle()
+    assert after["conveyor:num_requests_running"] == 0 and after["conveyor:kv_cache_blocks_used"] == 0
+    assert time.monotonic() - t0 < 2.0
+    aborts = "conveyor:request_success_total{finished_reason=abort}"
+    assert after[aborts] == before[aborts] + 1
+    assert after["conveyor:generation_tokens_total"] - before["conveyor:generation_tokens_total"] < 480
+
+
+def test_non_stream_client_timeout_is_aborted(server):
+    server.wait_idle()
+    before = server.scrape()
+    try:
+        httpx.post(server.base_url + "/completions", headers=server.headers(), timeout=0.3,
+                   json={"model": MODEL, "prompt": "Wait for it", "max_tokens": 480, "ignore_eos": True})
+        raise AssertionError("expected the client to time out")
+    except httpx.TimeoutException:
+        pass
+    after = server.wait_idle()
+    assert after["conveyor:num_requests_running"] == 0 and after["conveyor:kv_cache_blocks_used"] == 0
+    aborts = "conveyor:request_success_total{finished_reason=abort}"
+    assert after[aborts] == before[aborts] + 1
+
+
+def test_queue_full_gives_429(tiny_llama):
+    # A static batch of 4 that never fills (flush after 60 s) keeps requests waiting.
+    cfg = tiny_config(tiny_llama, scheduler="static", batch_size=4, extra={"static_flush_after_s": 60.0})
+    with run_server(cfg, ServerArgs(max_queued_requests=2)) as srv:
+        body = {"model": MODEL, "prompt": "queued", "max_tokens": 4, "n": 2}
+
+        def waiter() -> None:
+            try:
+                httpx.post(srv.base_url + "/completions", json=body, timeout=1.5)
+            except httpx.TimeoutException:
+                pass
+
+        t = threading.Thread(target=waiter)
+        t.start()
+        deadline = time.monotonic() + 5
+        while srv.scrape()["conveyor:num_requests_waiting"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        r = httpx.post(srv.base_url + "/completions", json={**body, "n": 1}, timeout=5)
+        assert r.status_code == 429, r.text
+        err = r.json()["error"]
+        assert err["type"] == "rate_limit_error" and "queue is full" in err["message"]
+        t.join()
+        m = srv.wait_idle()
+        assert m["conveyor:num_requests_waiting"] == 0 and m["conveyor:kv_cache_blocks_used"] == 0

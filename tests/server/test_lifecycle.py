@@ -1,0 +1,104 @@
+"""A dead engine turns the server to 503; SIGTERM drains and exits 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from .conftest import MODEL, free_socket, run_server, tiny_config
+
+
+def test_engine_death_gives_503_and_stream_errors(tiny_llama):
+    with run_server(tiny_config(tiny_llama)) as srv:
+        client = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0, timeout=30)
+        aengine = srv.app.state.engine
+
+        def boom():
+            raise RuntimeError("injected fault")
+
+        stream = client.completions.create(model=MODEL, prompt="doomed", max_tokens=400, stream=True,
+                                           extra_body={"ignore_eos": True})
+        with pytest.raises(openai.APIError, match="engine died"):
+            for i, _ in enumerate(stream):
+                if i == 2:
+                    aengine.engine.step = boom
+        deadline = time.monotonic() + 5
+        while aengine.alive and time.monotonic() < deadline:
+            time.sleep(0.01)
+        h = httpx.get(srv.url + "/health")
+        assert h.status_code == 503 and h.json()["error"]["code"] == "engine_dead"
+        r = httpx.post(srv.base_url + "/completions", json={"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503 and "engine" in r.json()["error"]["message"]
+        assert srv.scrape()["conveyor:engine_alive"] == 0
+        assert httpx.get(srv.url + "/metrics").status_code == 200  # still scrapeable
+
+
+def _serve(tiny_llama, port: int, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "conveyor", "serve", "--model", str(tiny_llama), "--port", str(port),
+           "--kv-cache-memory", "0.01", "--max-model-len", "512", "--served-model-name", MODEL, "--dtype", "float32",
+           *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "CONVEYOR_API_KEY": "env-key"})
+
+
+def test_sigterm_drains_then_exits_0(tiny_llama):
+    """SIGTERM: stop accepting, give in-flight requests --shutdown-timeout, abort the rest with a
+    clean end of stream, exit 0. (SIGINT takes the same path through uvicorn's handler.)"""
+    sock = free_socket()
+    port = sock.getsockname()[1]
+    sock.close()
+    proc = _serve(tiny_llama, port, "--shutdown-timeout", "0.5")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.1)
+        assert httpx.get(url + "/v1/models").status_code == 401  # the key came from $CONVEYOR_API_KEY
+        body = {"prompt": "shutdown", "max_tokens": 500, "ignore_eos": True, "stream": True}
+        lines: list[str] = []
+
+        def stream() -> None:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30,
+                              headers={"Authorization": "Bearer env-key"}) as r:
+                lines.extend(line for line in r.iter_lines() if line)
+
+        t = threading.Thread(target=stream)
+        t.start()
+        deadline = time.monotonic() + 30
+        while not httpx.get(url + "/metrics").text.count('conveyor:num_requests_running{model_name="tiny"} 1.0'):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=30)
+        elapsed = time.monotonic() - t0
+        t.join(10)
+        out = proc.stdout.read()
+        assert rc == 0, out
+        assert elapsed < 10, f"shutdown took {elapsed:.1f}s"
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        last = json.loads(lines[-2][len("data: "):])
+        assert last["choices"][0]["finish_reason"] in ("abort", "length")
+        assert "Application shutdown complete" in out
+        with pytest.raises(httpx.TransportError):
+            httpx.get(url + "/health", timeout=1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
