@@ -1,0 +1,213 @@
+"""GGUF loading: a tiny llama.cpp-style file written here loads to exactly HF's model.
+
+The file is written the way llama.cpp's convert_hf_to_gguf.py writes a Llama: F32 tensors under
+llama.cpp names, q/k rows permuted for llama.cpp's RoPE layout, llama.* metadata and a gpt2-style
+BPE vocabulary. HF transformers reading the same file back is a cross-check that the file is
+conformant, so a mismatch points at our loader, not at the writer.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from conveyor import LLM, SamplingParams
+from tests.hf_reference import hf_greedy, hf_model_from_gguf
+
+N_NEW = 12
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute: HF's rotate-half rows -> llama.cpp's interleaved."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_llama_gguf(path, hf_dir, arch: str = "llama") -> None:
+    """Write the HF checkpoint in `hf_dir` as an F32 GGUF with its tokenizer and chat template."""
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    tok_cfg = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    sd = {k: v.float().numpy() for k, v in load_file(str(hf_dir / "model.safetensors")).items()}
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name("tiny-test-llama")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    w.add_rope_dimension_count(cfg["hidden_size"] // heads)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+
+    vocab = tok["model"]["vocab"]
+    tokens = [None] * len(vocab)
+    for t, i in vocab.items():
+        tokens[i] = t
+    specials = {a["id"]: a["content"] for a in tok["added_tokens"]}
+    for i, t in specials.items():
+        tokens[i] = t
+    assert all(t is not None for t in tokens)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    w.add_token_types([gguf.TokenType.CONTROL if i in specials else gguf.TokenType.NORMAL
+                       for i in range(len(tokens))])
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    w.add_pad_token_id(vocab.get("<|endoftext|>", 0))
+    w.add_chat_template(tok_cfg.get("chat_template") or (hf_dir / "chat_template.jinja").read_text())
+
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    w.add_tensor("token_embd.weight", sd.pop("model.embed_tokens.weight"))
+    w.add_tensor("output_norm.weight", sd.pop("model.norm.weight"))
+    if "lm_head.weight" in sd:
+        w.add_tensor("output.weight", sd.pop("lm_head.weight"))
+    for i in range(cfg["num_hidden_layers"]):
+        for hf_name, cpp_name in names.items():
+            t = sd.pop(f"model.layers.{i}.{hf_name}.weight")
+            if cpp_name == "attn_q":
+                t = llama_cpp_permute(t, heads)
+            elif cpp_name == "attn_k":
+                t = llama_cpp_permute(t, kv_heads)
+            w.add_tensor(f"blk.{i}.{cpp_name}.weight", np.ascontiguousarray(t))
+    assert not sd, f"tensors left unwritten: {list(sd)}"
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    """Each test dequantizes and converts the tokenizer itself instead of finding another run's cache."""
+    monkeypatch.setenv("CONVEYOR_CACHE", str(tmp_path / "conveyor-cache"))
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny_llama, tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "tiny-llama-f32.gguf"
+    write_llama_gguf(path, tiny_llama)
+    return path
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    rng = random.Random(3)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in (3, 11, 40, 97)]
+
+
+def test_permutation_roundtrip_is_not_identity():
+    """Guard for the test itself: the permutation must move rows, and the loader must undo it."""
+    from conveyor.model.loader import _unpermute
+
+    w = np.arange(8 * 16 * 3, dtype=np.float32).reshape(8 * 16, 3)
+    p = llama_cpp_permute(w, 8)
+    assert not np.array_equal(p, w)
+    np.testing.assert_array_equal(_unpermute(p, 8), w)
+
+
+def test_gguf_greedy_matches_hf(tiny_gguf, hf_tiny):
+    llm = LLM(str(tiny_gguf), dtype="float32", num_kv_blocks=32, max_model_len=256)
+    cfg = llm.engine.model_config
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.hidden_size) == (2, 4, 2, 64)
+    assert not cfg.tie_word_embeddings
+    assert cfg.eos_token_ids == [hf_tiny.config.eos_token_id]
+    ps = prompts(hf_tiny.config.vocab_size)
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps],
+                        SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True), use_tqdm=False)
+    for p, o in zip(ps, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf_tiny, p, N_NEW)
+
+
+def test_gguf_file_is_what_hf_reads_too(tiny_gguf, hf_tiny):
+    """HF transformers, reading our file with its own llama.cpp conventions, gets the same weights back."""
+    hf_from_gguf = hf_model_from_gguf(tiny_gguf)
+    want = hf_tiny.state_dict()
+    got = hf_from_gguf.state_dict()
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight",
+                 "lm_head.weight"):
+        torch.testing.assert_close(got[name], want[name], atol=0, rtol=0)
+
+
+def test_gguf_tokenizer_and_chat_template(tiny_gguf, tiny_llama):
+    """The vocabulary inside the GGUF tokenizes and renders chats like the original tokenizer."""
+    from transformers import AutoTokenizer
+
+    llm = LLM(str(tiny_gguf), dtype="float32", num_kv_blocks=32, max_model_len=256)
+    ref = AutoTokenizer.from_pretrained(str(tiny_llama))
+    tok = llm.get_tokenizer()
+    for text in ("The quick brown fox jumps over the lazy dog.", "Hello world! café 🎉 日本語"):
+        assert tok.encode(text, add_special_tokens=False) == ref.encode(text, add_special_tokens=False)
+    msgs = [{"role": "user", "content": "Hello world!"}]
+    want = ref.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    want = list(want["input_ids"] if hasattr(want, "keys") else want)
+    assert llm.apply_chat_template(msgs) == want
+    assert tok.eos_token_id == ref.eos_token_id
+    out = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 8
+
+
+def test_gguf_with_separate_tokenizer(tiny_gguf, tiny_llama, hf_tiny):
+    llm = LLM(str(tiny_gguf), tokenizer=str(tiny_llama), dtype="float32", num_kv_blocks=32, max_model_len=256)
+    out = llm.generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(hf_tiny, out.prompt_token_ids, N_NEW)
+
+
+def test_gguf_directory_and_weight_cache(tiny_gguf, tmp_path):
+    """A directory holding one .gguf resolves to it; a second load comes from the dequantized cache."""
+    first = LLM(str(tiny_gguf.parent), dtype="float32", num_kv_blocks=16, max_model_len=128)
+    cache = tmp_path / "conveyor-cache" / "weights"
+    assert list(cache.glob("*.safetensors")), "dequantized weights were not cached"
+    second = LLM(str(tiny_gguf), dtype="float32", num_kv_blocks=16, max_model_len=128)
+    assert vars(second.engine.model_config) == vars(first.engine.model_config)
+    sp = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True)
+    a = first.generate([[5, 6, 7, 8]], sp, use_tqdm=False)[0].outputs[0].token_ids
+    b = second.generate([[5, 6, 7, 8]], sp, use_tqdm=False)[0].outputs[0].token_ids
+    assert a == b
+
+
+def test_tied_gguf_without_output_tensor(tmp_path_factory):
+    """No `output.weight` in the file means the head is the embedding (llama.cpp's convention)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import build_tiny_llama
+
+    hf_dir = build_tiny_llama(tmp_path_factory.mktemp("tied"), seed=5, tie_word_embeddings=True)
+    path = hf_dir / "tied.gguf"
+    write_llama_gguf(path, hf_dir)
+    hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=16, max_model_len=128)
+    assert llm.engine.model_config.tie_word_embeddings
+    p = prompts(hf.config.vocab_size)[2]
+    got = llm.generate([p], SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True), use_tqdm=False)
+    assert got[0].outputs[0].token_ids == hf_greedy(hf, p, N_NEW)
+
+
+def test_unsupported_gguf_architecture_is_named(tmp_path):
+    import gguf
+
+    path = tmp_path / "gpt2.gguf"
+    w = gguf.GGUFWriter(str(path), "gpt2")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="gpt2"):
+        LLM(str(path), dtype="float32", num_kv_blocks=4)
