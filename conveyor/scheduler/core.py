@@ -151,8 +151,8 @@ class Scheduler:
 
     def admit(self, step: Step, req: Request, chunk: bool = True) -> bool:
         """Try to move `req` from waiting to running in this step. False when it does not fit."""
-        if not step.has_room():
-            return False
+        if not step.has_room() or len(self.running) >= self.config.max_num_seqs:
+            return False  # max_num_seqs caps the running set too (vLLM), not only one step's batch
         if self._admit_fork(step, req):
             return True
         cached = self.kv.lookup_prefix(req) if req.num_computed_tokens == 0 else []
