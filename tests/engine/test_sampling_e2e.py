@@ -119,6 +119,10 @@ def test_stop_string_truncates_text(llm, tiny_llama):
         keep = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=stop,
                                                      include_stop_str_in_output=True), use_tqdm=False)[0]
         assert keep.outputs[0].text == text[:cut + len(stop)]
+        # before min_tokens, no stop condition applies, stop strings included (vLLM's rule)
+        late = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop],
+                                                     min_tokens=40), use_tqdm=False)[0].outputs[0]
+        assert late.finish_reason == "length" and late.text == text
         checked += 1
     assert checked >= 2
 
