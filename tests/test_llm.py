@@ -171,3 +171,26 @@ def test_max_model_len_larger_than_the_pool(tiny_llama):
 def test_bad_engine_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         EngineConfig(**{field: value})
+
+
+def test_static_batch_runs_parallel_samples_together(tiny_llama):
+    llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=64, max_model_len=256, scheduler="static",
+              batch_size=2)
+    llm.engine.record_steps = True
+    outs = llm.generate([[5, 6, 7, 8, 9], [10, 11, 12]], SamplingParams(n=3, max_tokens=6, ignore_eos=True),
+                        use_tqdm=False)
+    assert [len(c.token_ids) for o in outs for c in o.outputs] == [6] * 6
+    # one batch: the prompts' step, the siblings' fork step, then decodes; not one batch per sibling
+    assert len(llm.engine.step_stats) <= 6 + 2
+    assert max(s.num_seqs for s in llm.engine.step_stats) == 6
+
+
+def test_stop_token_adds_no_text(llm):
+    probe = llm.generate(["Hello world"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0]
+    stop_tok = probe.token_ids[2]
+    out = llm.generate(["Hello world"], SamplingParams(max_tokens=4, temperature=0, stop_token_ids=[stop_tok]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+    assert out.token_ids[-1] == stop_tok
+    assert out.text == llm.get_tokenizer().decode(out.token_ids[:-1], skip_special_tokens=True)

@@ -153,6 +153,10 @@ class LLMEngine:
             req.output_text += piece
             stop = check_stop(req, tok, piece, self.max_model_len)
             if stop is not None:
+                if stop[0] == "stop" and not isinstance(stop[1], str) and piece \
+                        and not req.params.include_stop_str_in_output:
+                    # as vLLM: a stop token (EOS or stop_token_ids) adds no text
+                    req.output_text = req.output_text[: len(req.output_text) - len(piece)]
                 self.scheduler.finish(req, stop[0], stop[1])
             text = self.detok.take_new_text(req, final=stop is not None)
             deltas.append(make_delta(req, [tok], text, lp))

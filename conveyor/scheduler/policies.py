@@ -49,8 +49,7 @@ class StaticPolicy(Policy):
     def __init__(self, batch_size: int, flush_after_s: float | None = None) -> None:
         self.batch_size = batch_size
         self.flush_after_s = flush_after_s
-        self.batch: set[str] = set()
-
+        self.batch: set[str] = set()  # group ids of the running batch
     def ready(self, s: Scheduler) -> bool:
         if len(s.waiting) >= self.batch_size or (s.input_ended and s.waiting):
             return True
@@ -59,18 +58,18 @@ class StaticPolicy(Policy):
                 and s.clock() - oldest >= self.flush_after_s)
 
     def schedule(self, s: Scheduler, step: Step) -> None:
+        # the batch is a set of user requests (group ids), so n > 1 siblings belong to it too
+        if self.batch and not any(r.group_id in self.batch for r in s.requests.values()):
+            self.batch = set()  # every member finished: the batch is over
         if not self.batch:
             if not self.ready(s):
                 return
-            self.batch = {r.request_id for r in list(s.waiting)[: self.batch_size]}
+            self.batch = {r.group_id for r in list(s.waiting)[: self.batch_size]}
         s.schedule_running(step, s.running, chunk=True,
                            victims=lambda cands: max(cands, key=lambda r: r.arrival_time))
-        for req in [r for r in s.waiting if r.request_id in self.batch]:
+        for req in [r for r in s.waiting if r.group_id in self.batch]:
             if not s.admit(step, req, chunk=True):
                 break
-
-    def on_finish(self, s: Scheduler, req: Request) -> None:
-        self.batch.discard(req.request_id)
 
 
 class DynamicPolicy(StaticPolicy):
