@@ -6,8 +6,9 @@
 Each of C clients streams `/v1/completions` requests back to back (greedy, `ignore_eos`, so every
 request produces exactly --max-tokens tokens) until C x --requests-per-client requests are done.
 TTFT is measured at the client: from sending the request to the first chunk carrying text. Output
-tok/s is all generated tokens over the wall time of the round. The client speaks raw SSE over
-httpx to keep its own CPU use small (it shares the machine with the server).
+tok/s is all generated tokens over the wall time of the round. Meanwhile a probe times GET /health
+every --probe-interval seconds: what a liveness check sees while the engine is busy. The client
+speaks raw SSE over httpx to keep its own CPU use small (it shares the machine with the server).
 """
 
 from __future__ import annotations
@@ -52,28 +53,45 @@ def pct(xs: list[float], p: float) -> float:
 
 
 async def one_request(client: httpx.AsyncClient, url: str, body: dict, headers: dict) -> Sample:
-    t0 = time.perf_counter()
+    """One streamed request, timed from sending it. A pooled keep-alive connection that the server
+    closed just as we reused it fails before the response headers arrive; that attempt is retried."""
+    for attempt in range(3):
+        t0 = time.perf_counter()
+        cm = client.stream("POST", url, json=body, headers=headers)
+        try:
+            r = await cm.__aenter__()
+        except (httpx.ReadError, httpx.RemoteProtocolError):
+            if attempt == 2:
+                raise
+            continue
+        try:
+            return await _read_stream(r, t0)
+        finally:
+            await cm.__aexit__(None, None, None)
+    raise AssertionError("unreachable")
+
+
+async def _read_stream(r: httpx.Response, t0: float) -> Sample:
+    if r.status_code != 200:
+        raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
     first = last = None
     itl: list[float] = []
     tokens = 0
-    async with client.stream("POST", url, json=body, headers=headers) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
-                now = time.perf_counter()
-                if first is None:
-                    first = now
-                else:
-                    itl.append(now - last)
-                last = now
+    async for line in r.aiter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            raise RuntimeError(chunk["error"])
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+        if chunk.get("choices") and chunk["choices"][0].get("text"):
+            now = time.perf_counter()
+            if first is None:
+                first = now
+            else:
+                itl.append(now - last)
+            last = now
     end = time.perf_counter()
     return Sample(ttft=(first or end) - t0, e2e=end - t0, tokens=tokens, itl=itl)
 
@@ -94,11 +112,24 @@ async def run_round(args: argparse.Namespace, concurrency: int) -> dict:
                 del body["model"]
             samples.append(await one_request(client, url, body, headers))
 
+    probes: list[float] = []
+
+    async def probe_loop(client: httpx.AsyncClient) -> None:
+        """How long /health takes while the engine is busy: a liveness probe's view of the server."""
+        while True:
+            t = time.perf_counter()
+            await client.get(args.url.rstrip("/") + "/health")
+            probes.append(time.perf_counter() - t)
+            await asyncio.sleep(args.probe_interval)
+
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
+        prober = asyncio.ensure_future(probe_loop(client)) if args.probe_interval > 0 else None
         t0 = time.perf_counter()
         await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
         wall = time.perf_counter() - t0
+        if prober is not None:
+            prober.cancel()
     ttft = [s.ttft for s in samples]
     itl = [x for s in samples for x in s.itl]
     out_tokens = sum(s.tokens for s in samples)
@@ -106,7 +137,8 @@ async def run_round(args: argparse.Namespace, concurrency: int) -> dict:
             "ttft_p50_ms": 1000 * pct(ttft, 50), "ttft_p99_ms": 1000 * pct(ttft, 99),
             "itl_p50_ms": 1000 * pct(itl, 50), "itl_p99_ms": 1000 * pct(itl, 99),
             "e2e_p50_s": statistics.median(s.e2e for s in samples), "output_tokens": out_tokens,
-            "output_tok_s": out_tokens / wall}
+            "output_tok_s": out_tokens / wall, "health_p50_ms": 1000 * pct(probes, 50),
+            "health_max_ms": 1000 * max(probes, default=float("nan"))}
 
 
 async def scrape_batch(url: str) -> tuple[float, float]:
@@ -137,7 +169,8 @@ async def main_async(args: argparse.Namespace) -> list[dict]:
         print(f"clients {c:3d}: {res['requests']:4d} req in {res['wall_s']:6.1f}s | "
               f"TTFT p50 {res['ttft_p50_ms']:7.0f} ms p99 {res['ttft_p99_ms']:7.0f} ms | "
               f"ITL p50 {res['itl_p50_ms']:5.0f} ms | "
-              f"output {res['output_tok_s']:6.1f} tok/s | mean batch {res['mean_batch']:.1f}", flush=True)
+              f"output {res['output_tok_s']:6.1f} tok/s | mean batch {res['mean_batch']:.1f} | "
+              f"/health p50 {res['health_p50_ms']:.0f} ms max {res['health_max_ms']:.0f} ms", flush=True)
     return results
 
 
@@ -150,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--probe-interval", type=float, default=0.2,
+                   help="seconds between /health probes during a round (0: no probes)")
     p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args(argv)
     results = asyncio.run(main_async(args))

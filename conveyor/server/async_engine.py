@@ -171,6 +171,8 @@ class _Counters:
     last_log_t: float = field(default_factory=time.monotonic)
     last_log_gen: int = 0
     last_log_prompt: int = 0
+    last_log_steps: int = 0
+    last_log_seqs: int = 0
 
 
 class AsyncEngine:
@@ -356,11 +358,13 @@ class AsyncEngine:
         if dt < self.log_interval_s:
             return
         gen, prompt = s.generation_tokens - c.last_log_gen, s.prompt_tokens - c.last_log_prompt
+        steps, seqs = s.steps - c.last_log_steps, s.step_seqs - c.last_log_seqs
         if gen or prompt or s.running or s.waiting:
             log.info("engine: running %d, waiting %d, KV %.1f%% (%d/%d blocks), prompt %.1f tok/s, "
-                     "generation %.1f tok/s, mean batch %.2f", s.running, s.waiting, 100 * s.kv_usage,
-                     s.kv_blocks_used, s.kv_blocks_total, prompt / dt, gen / dt, s.step_seqs / max(s.steps, 1))
+                     "generation %.1f tok/s, %d steps, mean batch %.2f", s.running, s.waiting, 100 * s.kv_usage,
+                     s.kv_blocks_used, s.kv_blocks_total, prompt / dt, gen / dt, steps, seqs / max(steps, 1))
         c.last_log_t, c.last_log_gen, c.last_log_prompt = now, s.generation_tokens, s.prompt_tokens
+        c.last_log_steps, c.last_log_seqs = s.steps, s.step_seqs
 
     def _tick(self) -> str:
         """Drain commands and run a step if there is work: 'ran', 'held' (empty step) or 'idle'."""
