@@ -1,6 +1,230 @@
-"""`conveyor bench` (placeholder until issue 4 lands)."""
+"""`conveyor bench [run] | compare`: the batching lab's command line.
+
+    conveyor bench run --in-process --scheduler iteration --request-rate 4 --num-prompts 64
+    conveyor bench run --url http://127.0.0.1:8000 --concurrency 16 --workload longtail
+    conveyor bench compare --request-rates 1,2,4,inf --out-dir docs/lab
+    conveyor bench report docs/lab/results.json     # re-render the report from saved numbers
+
+`conveyor bench` without a subcommand means `run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import shlex
+import sys
+from pathlib import Path
+
+from conveyor.bench.workloads import WORKLOADS, WorkloadSpec
+from conveyor.cli import add_engine_args, engine_config_from_args
+
+log = logging.getLogger("conveyor.bench")
+
+
+def _rate(text: str) -> float:
+    v = float(text)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"a request rate must be > 0 (or inf), got {text}")
+    return v
+
+
+def _rates(text: str) -> list[float]:
+    return [_rate(t) for t in text.split(",") if t.strip()]
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition("-")
+    try:
+        return int(lo), int(hi or lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO-HI, got {text!r}") from None
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--workload", default="random", choices=WORKLOADS)
+    g.add_argument("--num-prompts", type=int, default=64)
+    g.add_argument("--input-len", type=int, default=128, help="random/shared-prefix: prompt tokens (suffix)")
+    g.add_argument("--output-len", type=int, default=64)
+    g.add_argument("--range-ratio", type=float, default=0.0,
+                   help="lengths uniform in [len*(1-r), len*(1+r)] (random, shared-prefix)")
+    g.add_argument("--long-fraction", type=float, default=0.2, help="longtail: share of long requests")
+    g.add_argument("--short-input", type=_range, default=(32, 128), help="longtail: LO-HI")
+    g.add_argument("--short-output", type=_range, default=(32, 128), help="longtail: LO-HI")
+    g.add_argument("--long-input", type=_range, default=(512, 1500), help="longtail: LO-HI")
+    g.add_argument("--long-output", type=_range, default=(128, 384), help="longtail: LO-HI")
+    g.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: system prompt tokens")
+    g.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT service-level objective")
+    g.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT service-level objective")
+    g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of inter-arrivals (1 = Poisson)")
+    g.add_argument("--timeout", type=float, default=600.0, help="seconds before a run cancels what is left")
+    g.add_argument("--no-progress", dest="progress", action="store_false")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads for the engine and the peak-FLOP/s measurement (default: torch's)")
+    g.add_argument("--peak-matmul-size", type=int, default=2048,
+                   help="n of the n x n x n matmul that measures peak FLOP/s for MFU")
+    g.add_argument("--static-flush-ms", type=float, default=1000.0,
+                   help="in-process static: run a partial batch once its oldest request waited this long, as "
+                        "`conveyor serve` does (default 1000; 0: never, the batch waits to fill)")
+    g.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="in-process: exact KV pool size in blocks (overrides --kv-cache-memory)")
+
+
+def workload_from_args(args: argparse.Namespace) -> WorkloadSpec:
+    return WorkloadSpec(name=args.workload, num_prompts=args.num_prompts, input_len=args.input_len,
+                        output_len=args.output_len, range_ratio=args.range_ratio, long_fraction=args.long_fraction,
+                        short_input=args.short_input, short_output=args.short_output, long_input=args.long_input,
+                        long_output=args.long_output, prefix_len=args.prefix_len, seed=args.seed)
+
+
+def lab_engine_config(args: argparse.Namespace):
+    """The engine flags plus the lab's own: an exact KV pool size and the static flush timer."""
+    flush = args.static_flush_ms / 1000.0 if args.static_flush_ms and args.static_flush_ms > 0 else None
+    return engine_config_from_args(args, num_kv_blocks=args.num_kv_blocks, extra={"static_flush_after_s": flush})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="conveyor bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command")
+
+    run = sub.add_parser("run", parents=[common], help="drive one server or engine with one load and report")
+    target = run.add_mutually_exclusive_group()
+    target.add_argument("--url", default="http://127.0.0.1:8000", help="a running server (default)")
+    target.add_argument("--in-process", action="store_true", help="load the engine here instead of using --url")
+    run.add_argument("--served-model", default=None, help="HTTP: the model name to send (default: /v1/models)")
+    run.add_argument("--server-pid", type=int, default=None,
+                     help="HTTP: the server's pid for CPU accounting (default: whoever listens on the port)")
+    loop = run.add_mutually_exclusive_group()
+    loop.add_argument("--concurrency", type=int, default=None, help="closed loop: requests in flight")
+    loop.add_argument("--request-rate", type=_rate, default=float("inf"),
+                      help="open loop: Poisson arrivals per second (default inf: all at once)")
+    run.add_argument("--out", type=Path, default=None, help="write the result JSON here")
+    add_workload_args(run)
+    add_engine_args(run)
+
+    cmp_ = sub.add_parser("compare", parents=[common],
+                          help="every strategy plus no batching, one workload, a Markdown report")
+    cmp_.add_argument("--strategies", default="static,dynamic,continuous,iteration")
+    cmp_.add_argument("--no-baseline", dest="baseline", action="store_false",
+                      help="skip the no-batching baseline (continuous, max_num_seqs=1)")
+    cmp_.add_argument("--request-rates", type=_rates, default=[1.0, 2.0, 4.0, 8.0],
+                      help="offered loads, comma-separated req/s; inf = all at once")
+    cmp_.add_argument("--table-rate", type=_rate, default=None,
+                      help="the load the comparison table uses (default: the highest)")
+    cmp_.add_argument("--out-dir", type=Path, default=Path("docs/lab"))
+    add_workload_args(cmp_)
+    add_engine_args(cmp_)
+
+    rep = sub.add_parser("report", parents=[common], help="rewrite a comparison's report from its results.json")
+    rep.add_argument("results", type=Path, help="the results.json that `bench compare` wrote")
+    rep.add_argument("--out-dir", type=Path, default=None, help="default: the results file's directory")
+    return parser
 
 
 def main(argv: list[str]) -> int:
-    print("conveyor bench: not built yet")
-    return 1
+    argv = list(argv)
+    parser = build_parser()
+    if not argv or argv[0] not in ("run", "compare", "report", "-h", "--help"):
+        argv = ["run", *argv]  # `conveyor bench` alone means `conveyor bench run`
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.WARNING),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "report":
+        return cmd_report(args)
+    if args.threads is not None:
+        import torch
+
+        if args.threads < 1:
+            print("conveyor bench: error: --threads must be >= 1", file=sys.stderr)
+            return 2
+        torch.set_num_threads(args.threads)
+    try:
+        if args.command == "compare":
+            return cmd_compare(args, argv)
+        return cmd_run(args)
+    except ValueError as e:
+        print(f"conveyor bench: error: {e}", file=sys.stderr)
+        return 2
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from conveyor.bench.compare import set_peak
+    from conveyor.bench.loadgen import LoadPattern
+    from conveyor.bench.result import format_result
+    from conveyor.bench.run import run_once
+    from conveyor.bench.stats import FlopModel, measure_peak_flops
+    from conveyor.bench.workloads import generate
+
+    spec = workload_from_args(args)
+    load = LoadPattern(concurrency=args.concurrency, request_rate=args.request_rate, burstiness=args.burstiness,
+                       seed=args.seed, timeout_s=args.timeout)
+    meta = {"label": f"{'in-process ' + args.scheduler if args.in_process else args.url} @ {load.label}",
+            "workload": vars(spec), "load": load.label, "concurrency": args.concurrency,
+            "request_rate": "inf" if args.request_rate == float("inf") else args.request_rate}
+    if args.in_process:
+        from conveyor.bench.engine_backend import EngineBackend
+        from conveyor.engine.llm_engine import LLMEngine
+
+        config = lab_engine_config(args)
+        engine = LLMEngine(config)
+        backend, cfg, max_len = EngineBackend(engine), engine.model_config, engine.max_model_len
+        dtype, device, pid = engine.runner.dtype, engine.runner.device, None
+        meta["strategy"] = config.scheduler
+    else:
+        from conveyor.bench.http_backend import HttpBackend, find_listening_pid
+        from conveyor.model.loader import load_checkpoint
+        from conveyor.runner.model_runner import resolve_device, resolve_dtype
+
+        cfg = load_checkpoint(args.model, args.tokenizer).config  # vocab for prompts, shapes for FLOPs
+        backend, max_len = HttpBackend(args.url, args.served_model), args.max_model_len
+        device = resolve_device(args.device)
+        dtype, pid = resolve_dtype(args.dtype, device), args.server_pid or find_listening_pid(args.url)
+    requests = generate(spec, cfg.vocab_size, max_len)
+    peak = measure_peak_flops(dtype, device, n=args.peak_matmul_size)
+    res = asyncio.run(run_once(backend, requests, load, flop_model=FlopModel.from_config(cfg), peak_flops=peak,
+                               slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, server_pid=pid,
+                               progress=args.progress, meta=meta))
+    # a shared machine's peak varies: use the best of before and after the run
+    set_peak(res, max(peak, measure_peak_flops(dtype, device, n=args.peak_matmul_size)))
+    print(format_result(res))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(res, indent=1))
+        print(f"result written to {args.out}")
+    return 0 if res["completed"] else 1
+
+
+def cmd_compare(args: argparse.Namespace, argv: list[str]) -> int:
+    from conveyor.bench.compare import CompareSpec, run_compare
+    from conveyor.bench.report import write_report
+    from conveyor.engine.llm_engine import LLMEngine
+
+    spec = CompareSpec(strategies=[s.strip() for s in args.strategies.split(",") if s.strip()],
+                       baseline=args.baseline, request_rates=args.request_rates, table_rate=args.table_rate,
+                       burstiness=args.burstiness, workload=workload_from_args(args), slo_ttft_ms=args.slo_ttft_ms,
+                       slo_tpot_ms=args.slo_tpot_ms, timeout_s=args.timeout,
+                       peak_matmul_size=args.peak_matmul_size)
+    base = lab_engine_config(args)
+    engine = LLMEngine(base)
+    data = run_compare(engine, base, spec, progress=args.progress)
+    command = "conveyor bench " + shlex.join(argv)
+    path = write_report(data, args.out_dir, command)
+    print(path.read_text().split("## The seed's claims, tested")[0])
+    print(f"report written to {path}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """Re-render the Markdown and plots from saved numbers (same command line, nothing re-measured)."""
+    from conveyor.bench.report import write_report
+
+    data = json.loads(args.results.read_text())
+    path = write_report(data, args.out_dir or args.results.parent, data.get("command", "(unknown command)"))
+    print(f"report written to {path}")
+    return 0

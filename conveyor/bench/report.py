@@ -1,0 +1,426 @@
+"""The comparison report: Markdown with the measured table, generated conclusions, and PNG plots.
+
+Everything the report states is computed from the runs passed in; the only fixed text is the
+seed's claims (quoted, to be tested) and the description of the method.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from matplotlib.colors import ListedColormap  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+
+from conveyor.bench.claims import (  # noqa: E402
+    TOLERANCE,
+    evaluate,
+    headroom_sentence,
+    noise_floor,
+    noise_sentence,
+    per_load_leaders,
+    summary_sentence,
+    verdicts_json,
+)
+from conveyor.bench.compare import BASELINE  # noqa: E402
+
+SEED_CLAIMS = {
+    "static": "medium throughput, high waiting latency",
+    "dynamic": "good throughput, medium latency",
+    "continuous": "excellent throughput, low latency",
+    "iteration": "best of both",
+    BASELINE: "(baseline)",
+}
+DISPLAY = {BASELINE: "no batching", "iteration": "iteration-level"}
+COLORS = {"static": "tab:red", "dynamic": "tab:orange", "continuous": "tab:blue", "iteration": "tab:green",
+          BASELINE: "tab:gray"}
+ABSENT, WAITING, PREFILL, DECODE = 0, 1, 2, 3
+
+
+def _rate(x) -> float:
+    return float(x)
+
+
+def _rate_label(r: float) -> str:
+    return "all at once" if r == float("inf") else f"{r:g}"
+
+
+def organize(runs: list[dict], table_rate: float) -> tuple[dict[str, dict], dict[str, dict[float, dict]]]:
+    """(strategy -> result at the table's load, strategy -> {rate -> result}) without the baseline in the sweep."""
+    table, sweep = {}, {}
+    for res in runs:
+        s, r = res["meta"]["strategy"], _rate(res["meta"]["request_rate"])
+        if r == table_rate:
+            table[s] = res
+        if s != BASELINE:
+            sweep.setdefault(s, {})[r] = res
+    return table, sweep
+
+
+# --- formatting ---------------------------------------------------------------------------------------
+def _ms(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x * 1000:.0f}" if x >= 0.1 else f"{x * 1000:.1f}"
+
+
+def _pct(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x * 100:.{digits}f}%"
+
+
+def _f(x: float | None, fmt: str = ".2f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _name(s: str) -> str:
+    return DISPLAY.get(s, s)
+
+
+def comparison_table(table: dict[str, dict], order: list[str]) -> list[str]:
+    base = table.get(BASELINE)
+    has_goodput = any(r["goodput"]["requests_per_s"] is not None for r in table.values())
+    head = ["strategy", "seed's claim", "output tok/s", "req/s", "vs no batching", "TTFT p50 (ms)", "TTFT p99 (ms)",
+            "TPOT p50 (ms)", "E2E p50 (ms)", "E2E p99 (ms)", "mean batch", "KV usage", "MFU", "CPU util"]
+    if has_goodput:
+        head.append("goodput (req/s)")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for s in order:
+        r = table.get(s)
+        if r is None:
+            continue
+        rel = r["output_throughput"] / base["output_throughput"] if base and base["output_throughput"] else None
+        row = [f"**{_name(s)}**", SEED_CLAIMS.get(s, ""), _f(r["output_throughput"], ".1f"),
+               _f(r["request_throughput"], ".3f"), "1.0x" if s == BASELINE else (f"{rel:.1f}x" if rel else "-"),
+               _ms(r["ttft_s"]["p50"]), _ms(r["ttft_s"]["p99"]), _ms(r["tpot_s"]["p50"]), _ms(r["e2e_s"]["p50"]),
+               _ms(r["e2e_s"]["p99"]), _f(r["engine"].get("mean_batch_size"), ".1f"),
+               _pct(r["engine"].get("mean_kv_usage")), _pct(r["utilization"].get("mfu"), 2),
+               _pct(r["utilization"].get("cpu"), 0)]
+        if has_goodput:
+            row.append(_f(r["goodput"]["requests_per_s"], ".3f"))
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def sweep_table(sweep: dict[str, dict[float, dict]], rates: list[float], order: list[str]) -> list[str]:
+    head = ["strategy"] + [f"{_rate_label(r)} req/s" if r != float("inf") else "all at once" for r in rates]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for s in order:
+        if s not in sweep:
+            continue
+        cells = []
+        for r in rates:
+            res = sweep[s].get(r)
+            cells.append("-" if res is None else
+                         f"{res['output_throughput']:.1f} tok/s, {_ms(res['ttft_s']['p99'])} ms")
+        lines.append(f"| **{_name(s)}** | " + " | ".join(cells) + " |")
+    return lines
+
+
+def kv_table(table: dict[str, dict], order: list[str]) -> list[str]:
+    head = ["strategy", "mean KV usage", "peak KV usage", "KV waste (paged)", "KV waste (contiguous reservation)",
+            "prefix-cache hit rate", "preemptions", "engine steps"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for s in order:
+        r = table.get(s)
+        if r is None:
+            continue
+        e = r["engine"]
+        lines.append("| " + " | ".join([
+            f"**{_name(s)}**", _pct(e.get("mean_kv_usage")), _pct(e.get("peak_kv_usage")),
+            _pct(e.get("kv_waste_paged")), _pct(e.get("kv_waste_contiguous")), _pct(e.get("prefix_hit_rate")),
+            str(e.get("num_preemptions", "-")), str(e.get("num_steps", "-"))]) + " |")
+    return lines
+
+
+def _by_rate(sweep: dict[str, dict[float, dict]]) -> dict[float, dict[str, dict]]:
+    out: dict[float, dict[str, dict]] = {}
+    for s, by_rate in sweep.items():
+        for r, res in by_rate.items():
+            out.setdefault(r, {})[s] = res
+    return dict(sorted(out.items()))
+
+
+# --- plots --------------------------------------------------------------------------------------------
+def _x(rates: list[float]) -> tuple[list[int], list[str]]:
+    return list(range(len(rates))), [_rate_label(r) for r in rates]
+
+
+def plot_throughput(sweep: dict, rates: list[float], order: list[str], baseline: dict | None, path: Path) -> None:
+    xs, labels = _x(rates)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for s in order:
+        if s not in sweep:
+            continue
+        pts = [(x, sweep[s][r]) for x, r in zip(xs, rates) if r in sweep[s]]
+        axes[0].plot([p[0] for p in pts], [p[1]["output_throughput"] for p in pts], "o-", color=COLORS.get(s),
+                     label=_name(s))
+        axes[1].plot([p[0] for p in pts], [p[1]["request_throughput"] for p in pts], "o-", color=COLORS.get(s),
+                     label=_name(s))
+    finite = [(x, r) for x, r in zip(xs, rates) if r != float("inf")]
+    if finite:
+        axes[1].plot([p[0] for p in finite], [p[1] for p in finite], ":", color="black", label="offered load")
+    if baseline is not None:
+        axes[0].axhline(baseline["output_throughput"], ls="--", color=COLORS[BASELINE], label="no batching")
+        axes[1].axhline(baseline["request_throughput"], ls="--", color=COLORS[BASELINE], label="no batching")
+    for ax, title in zip(axes, ("output tokens/s", "requests/s")):
+        ax.set_xticks(xs, labels)
+        ax.set_xlabel("offered load (requests/s)")
+        ax.set_title(f"Throughput ({title}) vs offered load")
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_ttft(sweep: dict, rates: list[float], order: list[str], baseline: dict | None, path: Path) -> None:
+    xs, labels = _x(rates)
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for s in order:
+        if s not in sweep:
+            continue
+        pts = [(x, sweep[s][r]["ttft_s"]["p99"]) for x, r in zip(xs, rates)
+               if r in sweep[s] and sweep[s][r]["ttft_s"]["p99"] is not None]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=COLORS.get(s), label=_name(s))
+    if baseline is not None and baseline["ttft_s"]["p99"] is not None:
+        ax.axhline(baseline["ttft_s"]["p99"], ls="--", color=COLORS[BASELINE], label="no batching (table load)")
+    ax.set_yscale("log")
+    ax.set_xticks(xs, labels)
+    ax.set_xlabel("offered load (requests/s)")
+    ax.set_ylabel("p99 time to first token (s)")
+    ax.set_title("p99 TTFT vs offered load")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def occupancy_matrix(res: dict) -> np.ndarray:
+    """Rows = requests (in arrival order), columns = engine steps; cell = absent/waiting/prefill/decode.
+
+    A request is *waiting* from the moment it was sent until it finished, in every step it is not
+    part of; in a step it is part of, it is *prefill* until the step that produced its first token
+    (inclusive) and *decode* after.
+    """
+    steps = res.get("steps") or []
+    reqs = res["requests"]
+    m = np.zeros((len(reqs), len(steps)), dtype=np.int8)
+    starts = np.array([st["t"] for st in steps], dtype=float)
+    eps = 1e-5
+    for i, q in enumerate(reqs):
+        if q["sent_s"] is None:
+            continue
+        done = q["sent_s"] + q["e2e_s"] if q["e2e_s"] is not None else float("inf")
+        m[i, (starts >= q["sent_s"] - eps) & (starts < done - eps)] = WAITING
+    for j, st in enumerate(steps):
+        end = st["t"] + st["d"]
+        for i in st["ids"]:
+            q = reqs[i]
+            first = q["sent_s"] + q["ttft_s"] if q["ttft_s"] is not None else float("inf")
+            m[i, j] = PREFILL if end <= first + eps else DECODE
+    return m
+
+
+def plot_occupancy(res: dict, name: str, path: Path) -> None:
+    m = occupancy_matrix(res)
+    n_req, n_steps = m.shape
+    fig, ax = plt.subplots(figsize=(11, max(2.5, min(7.0, 0.09 * n_req + 1.5))))
+    cmap = ListedColormap(["white", "#e6e6e6", "tab:orange", "tab:blue"])
+    ax.imshow(m, aspect="auto", interpolation="nearest", cmap=cmap, vmin=0, vmax=3)
+    wall = res["duration_s"]
+    ax.set_title(f"{_name(name)}: who was in each step's batch ({n_steps} steps, {wall:.1f} s, "
+                 f"mean batch {res['engine'].get('mean_batch_size') or 0:.1f})")
+    ax.set_xlabel("engine step")
+    ax.set_ylabel("request (arrival order)")
+    ax.legend(handles=[Patch(color="#e6e6e6", label="sent, not in this step\n(queued or stalled)"),
+                       Patch(color="tab:orange", label="prefill"), Patch(color="tab:blue", label="decode")],
+              loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False)
+    ax.yaxis.get_major_locator().set_params(integer=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_kv_waste(table: dict[str, dict], order: list[str], path: Path) -> None:
+    names = [s for s in order if s in table and table[s]["engine"].get("kv_waste_paged") is not None]
+    if not names:
+        return
+    xs = np.arange(len(names))
+    paged = [table[s]["engine"]["kv_waste_paged"] * 100 for s in names]
+    contig = [(table[s]["engine"].get("kv_waste_contiguous") or 0) * 100 for s in names]
+    fig, ax = plt.subplots(figsize=(7.5, 3.8))
+    ax.bar(xs - 0.2, paged, 0.4, label="paged (blocks)", color="tab:green")
+    ax.bar(xs + 0.2, contig, 0.4, label="contiguous max_model_len reservation", color="tab:red")
+    ax.set_xticks(xs, [_name(s) for s in names])
+    ax.set_ylabel("KV slots reserved but empty (%)")
+    ax.set_ylim(min(0, *paged) - 1, 100)
+    ax.set_title("KV cache waste, mean over engine steps")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --- the report ---------------------------------------------------------------------------------------
+def write_report(data: dict, out_dir: Path, command: str) -> Path:
+    """Write results.json, report.md and the PNGs into `out_dir`; return the report's path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spec, setup, runs = data["spec"], data["setup"], data["runs"]
+    table_rate = _rate(spec["table_rate"])
+    rates = sorted(_rate(r) for r in spec["request_rates"])
+    order = [BASELINE] + list(spec["strategies"])
+    table, sweep = organize(runs, table_rate)
+    baseline = table.get(BASELINE)
+    strategies_at_table = {s: r for s, r in table.items() if s != BASELINE}
+    # one noise floor for the whole session: the largest gap seen between identical schedules at any load
+    tolerance = max([TOLERANCE] + [noise_floor(at)[0] for at in [strategies_at_table, *_by_rate(sweep).values()]])
+    verdicts = evaluate(strategies_at_table, baseline, tolerance)
+    other_loads = {r: evaluate(at, None, tolerance) for r, at in _by_rate(sweep).items() if r != table_rate}
+    data = dict(data, command=command, verdicts=verdicts_json(verdicts),
+                verdicts_other_loads={_rate_label(r): verdicts_json(v) for r, v in other_loads.items()})
+    (out_dir / "results.json").write_text(json.dumps(data, indent=1))
+
+    plot_throughput(sweep, rates, order, baseline, out_dir / "throughput_vs_load.png")
+    plot_ttft(sweep, rates, order, baseline, out_dir / "ttft_p99_vs_load.png")
+    plot_kv_waste(table, order, out_dir / "kv_waste.png")
+    occ = []
+    for s in order:
+        if s in table and table[s].get("steps"):
+            fname = f"occupancy_{s}.png"
+            plot_occupancy(table[s], s, out_dir / fname)
+            occ.append((s, fname))
+
+    w = spec["workload"]
+    peaks = setup.get("peak_flops_samples") or [setup["peak_flops_per_s"]]
+    gemm = spec.get("peak_matmul_size", 2048)
+    load_txt = _rate_label(table_rate) + ("" if table_rate == float("inf") else " req/s (Poisson"
+                                          + (f", burstiness {spec['burstiness']:g})" if spec["burstiness"] != 1
+                                             else ")"))
+    md = ["# Batching lab: four strategies and no batching, measured", "",
+          "Generated by `conveyor bench compare` with:", "", "```", command, "```", ""]
+    md += ["## Setup", ""]
+    md += [f"- model `{setup['model']}` ({setup['dtype']} on {setup['device']}, {setup['torch_threads']} torch "
+           f"thread(s), CPU `{setup['cpu']}` with {setup.get('num_cpus', '?')} cores); weights loaded once and "
+           "shared by every run",
+           f"- KV cache: {setup['num_kv_blocks']} blocks x {setup['block_size']} tokens, max_model_len "
+           f"{setup['max_model_len']}",
+           f"- workload `{w['name']}`: {w['num_prompts']} requests, seed {w['seed']}, "
+           + _workload_text(w) + f"; {setup['workload_tokens']['input']} prompt and "
+           f"{setup['workload_tokens']['output']} output tokens in all (random token ids, ignore_eos, greedy)",
+           f"- the comparison table is taken at offered load **{load_txt}**; the sweep covers "
+           + ", ".join(_rate_label(r) for r in rates) + " req/s",
+           f"- peak matmul throughput measured by the lab on this machine: "
+           f"**{setup['peak_flops_per_s'] / 1e9:.1f} GFLOP/s** ({setup['dtype']}, {gemm}^3 GEMMs on "
+           f"{setup['torch_threads']} torch thread(s) as the engine ran, the best of "
+           f"{len(peaks)} measurements taken before each run; they ranged {min(peaks) / 1e9:.1f}-"
+           f"{max(peaks) / 1e9:.1f})",
+           f"- whole comparison took {setup['total_wall_s'] / 60:.1f} min"]
+    cfgs = {r["meta"]["strategy"]: r["meta"]["engine_config"] for r in runs}
+    md += ["- engine settings per strategy: " + "; ".join(
+        f"{_name(s)}: max_num_seqs {c['max_num_seqs']}, budget {c['max_num_batched_tokens']} tokens"
+        + (f", batch_size {c['batch_size']}" if s in ("static", "dynamic") else "")
+        + ((f", flush after {c['static_flush_ms']:g} ms" if c.get("static_flush_ms") else ", no flush timer")
+           if s == "static" else "")
+        + (f", timeout {c['batch_timeout_ms']:g} ms" if s == "dynamic" else "")
+        for s, c in cfgs.items())]
+    md += ["", f"## Comparison table (offered load: {load_txt})", ""]
+    md += comparison_table(table, order)
+    md += ["", "TTFT counts from the moment the request was sent, so time spent queueing is included. "
+           "TPOT is (E2E - TTFT) / (output tokens - 1). MFU = model FLOP/s achieved / peak matmul FLOP/s "
+           "measured above. CPU util = CPU time of the process / wall time / cores.", ""]
+    md += ["## The seed's claims, tested", "", summary_sentence(verdicts), ""]
+    for v in verdicts:
+        mark = {"holds": "holds", "tie": "tie", "disagrees": "**disagrees**", "untested": "untested"}[v.status]
+        md.append(f"- {mark}: *{v.claim}* - {v.detail}")
+    md += ["", f"Two numbers within {tolerance:.0%} of each other count as a tie.", ""]
+    noise = noise_sentence(strategies_at_table)
+    if noise:
+        md += [noise, ""]
+    headroom = headroom_sentence(strategies_at_table, baseline)
+    if headroom:
+        md += [headroom, ""]
+    if other_loads:
+        md += ["### The same claims at the other offered loads", "",
+               "(The baseline ran at the table's load only, so the speedup claims are untested here.)", ""]
+        for r, vs in other_loads.items():
+            md.append(f"- at {_rate_label(r)} req/s: {summary_sentence(vs)}")
+        md.append("")
+    md += ["### Utilization per strategy", ""]
+    for s in order:
+        r = table.get(s)
+        if r is None:
+            continue
+        u, e = r["utilization"], r["engine"]
+        md.append(f"- {_name(s)}: MFU {_pct(u.get('mfu'), 2)} ({_f((u.get('achieved_flops_per_s') or 0) / 1e9, '.2f')}"
+                  f" GFLOP/s), CPU {_pct(u.get('cpu'), 0)}, engine busy {_pct(u.get('engine_busy'), 0)} of the "
+                  f"wall time, mean batch {_f(e.get('mean_batch_size'), '.1f')} sequences / "
+                  f"{_f(e.get('mean_step_tokens'), '.0f')} tokens per step")
+    md += ["", "## Throughput and latency vs offered load", "",
+           "![throughput vs offered load](throughput_vs_load.png)", "",
+           "![p99 TTFT vs offered load](ttft_p99_vs_load.png)", "",
+           "Each cell: output tokens/s, p99 TTFT.", ""]
+    md += sweep_table(sweep, rates, order)
+    md += [""] + [f"- {line}" for line in per_load_leaders(sweep)]
+    md += ["", "## Batch occupancy", "",
+           "Rows are requests in arrival order, columns are engine steps (not seconds): grey = sent but not "
+           "in that step's batch (queued, or admitted but stalled), orange = in the batch for its prompt "
+           "(prefill, possibly a chunk of it), blue = in the batch decoding.", ""]
+    for s, fname in occ:
+        md += [f"### {_name(s)}", "", f"![{_name(s)} occupancy]({fname})", ""]
+    md += ["## KV cache: paged blocks vs contiguous reservation", "",
+           "Sampled after every engine step: paged waste = 1 - used slots / (used blocks x block size); "
+           "contiguous waste = 1 - tokens held / (running requests x max_model_len), i.e. what reserving "
+           "the longest possible sequence per request up front would have left empty (a prefix shared in the "
+           "paged cache counts once per request there, since contiguous buffers cannot share it).", ""]
+    md += kv_table(table, order)
+    md += ["", "![KV waste](kv_waste.png)", "", _waste_sentence(table, order, setup), ""]
+    md += ["## Method", "",
+           "- One process: the lab loads the model once, measures peak matmul FLOP/s, warms up, then for every "
+           "(strategy, load) gives the engine a fresh scheduler, policy and empty KV cache and drives it on a "
+           "background thread. A request reaches the engine only when its arrival time has come (open loop, "
+           "seeded gamma/Poisson arrivals, identical for every strategy); each token is timestamped when the "
+           "engine step that produced it returns.",
+           "- Model FLOPs count 2 FLOPs per weight for every token the engine actually processed (prompt tokens "
+           "not served by the prefix cache, recomputes after preemption, and all decode tokens), the LM head "
+           "only for sampled rows (as the runner does), and 4 x layers x q_width x context for attention.",
+           "- Static batching starts a batch when `batch_size` requests wait or, as in `conveyor serve`, when "
+           "the oldest has waited the flush time; without a flush timer it is told when the load generator has "
+           "sent its last request, so that the last partial batch can go. Dynamic batching uses its timeout.",
+           "- Numbers come from a shared, noisy machine; differences within a few percent are not meaningful.",
+           ""]
+    path = out_dir / "report.md"
+    path.write_text("\n".join(md))
+    return path
+
+
+def _workload_text(w: dict) -> str:
+    if w["name"] == "longtail":
+        return (f"{w['long_fraction']:.0%} long (prompt {w['long_input'][0]}-{w['long_input'][1]}, output "
+                f"{w['long_output'][0]}-{w['long_output'][1]}), the rest short (prompt {w['short_input'][0]}-"
+                f"{w['short_input'][1]}, output {w['short_output'][0]}-{w['short_output'][1]})")
+    rr = f" +/-{w['range_ratio']:.0%}" if w["range_ratio"] else ""
+    text = f"prompt {w['input_len']}{rr} tokens, output {w['output_len']}{rr} tokens"
+    if w["name"] == "shared-prefix":
+        text = f"a shared {w['prefix_len']}-token system prompt, then " + text
+    return text
+
+
+def _waste_sentence(table: dict[str, dict], order: list[str], setup: dict) -> str:
+    rows = [(s, table[s]["engine"]) for s in order if s in table and table[s]["engine"].get("kv_waste_paged")
+            is not None]
+    if not rows:
+        return ""
+    paged = [e["kv_waste_paged"] for _, e in rows]
+    contig = [e["kv_waste_contiguous"] for _, e in rows if e.get("kv_waste_contiguous") is not None]
+    s = (f"Paged allocation left {min(paged):.1%}-{max(paged):.1%} of the reserved slots empty across strategies")
+    if contig:
+        s += (f"; reserving max_model_len ({setup['max_model_len']}) contiguous slots per request would have left "
+              f"{min(contig):.1%}-{max(contig):.1%} empty")
+    return s + "."
