@@ -85,27 +85,26 @@ def test_non_stream_client_timeout_is_aborted(server):
     assert after[aborts] == before[aborts] + 1
 
 
-def test_queue_full_gives_429(tiny_llama):
-    # A static batch of 4 that never fills (flush after 60 s) keeps requests waiting.
-    cfg = tiny_config(tiny_llama, scheduler="static", batch_size=4, extra={"static_flush_after_s": 60.0})
+def test_queue_full_gives_429_and_static_batches_flush(tiny_llama):
+    # A static batch of 4 that does not fill keeps requests waiting until the 3 s flush.
+    cfg = tiny_config(tiny_llama, scheduler="static", batch_size=4, extra={"static_flush_after_s": 3.0})
     with run_server(cfg, ServerArgs(max_queued_requests=2)) as srv:
-        body = {"model": MODEL, "prompt": "queued", "max_tokens": 4, "n": 2}
-
-        def waiter() -> None:
-            try:
-                httpx.post(srv.base_url + "/completions", json=body, timeout=1.5)
-            except httpx.TimeoutException:
-                pass
-
-        t = threading.Thread(target=waiter)
+        body = {"model": MODEL, "prompt": "queued", "max_tokens": 4, "n": 2, "ignore_eos": True}
+        first: list[httpx.Response] = []
+        t = threading.Thread(target=lambda: first.append(httpx.post(srv.base_url + "/completions", json=body,
+                                                                    timeout=30)))
+        t0 = time.monotonic()
         t.start()
-        deadline = time.monotonic() + 5
-        while srv.scrape()["conveyor:num_requests_waiting"] < 2 and time.monotonic() < deadline:
+        while srv.scrape()["conveyor:num_requests_waiting"] < 2:
+            assert time.monotonic() - t0 < 2.5, "the first request never queued"
             time.sleep(0.02)
         r = httpx.post(srv.base_url + "/completions", json={**body, "n": 1}, timeout=5)
         assert r.status_code == 429, r.text
         err = r.json()["error"]
         assert err["type"] == "rate_limit_error" and "queue is full" in err["message"]
         t.join()
+        # the partial batch was flushed, not stuck forever
+        assert first[0].status_code == 200 and first[0].json()["usage"]["completion_tokens"] == 8
+        assert time.monotonic() - t0 >= 2.9
         m = srv.wait_idle()
         assert m["conveyor:num_requests_waiting"] == 0 and m["conveyor:kv_cache_blocks_used"] == 0
