@@ -186,4 +186,5 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        """Queued sequences, including n > 1 siblings held until their prompt is computed."""
+        return len(self.scheduler.waiting) + sum(len(v) for v in self.scheduler.held.values())

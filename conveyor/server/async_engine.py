@@ -343,9 +343,8 @@ class AsyncEngine:
 
     def _publish(self, alive: bool = True) -> None:
         e = self.engine
-        held = sum(len(v) for v in getattr(e.scheduler, "held", {}).values())  # n > 1 siblings not yet queued
         self._stats = EngineStats(
-            alive=alive, running=e.num_running, waiting=e.num_waiting + held, kv_blocks_used=e.kv.pool.num_used,
+            alive=alive, running=e.num_running, waiting=e.num_waiting, kv_blocks_used=e.kv.pool.num_used,
             kv_blocks_total=e.kv.pool.num_blocks, prompt_tokens=e.total_prompt_tokens,
             generation_tokens=e.total_generation_tokens, preemptions=e.scheduler.num_preemptions,
             prefix_queries=e.kv.prefix_queries, prefix_hits=e.kv.prefix_hits, steps=self._c.steps,
