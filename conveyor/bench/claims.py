@@ -151,6 +151,8 @@ def evaluate(results: dict[str, dict], baseline: dict | None, tolerance: float |
                   f"{x:.1f}x")
         if lo <= x <= hi:
             out.append(Verdict(claim, HOLDS, detail))
+        elif lo * (1 - judge.tolerance) <= x <= hi * (1 + judge.tolerance):
+            out.append(Verdict(claim, TIE, f"{detail}: just outside the claimed range, but within the noise"))
         else:
             where = "below" if x < lo else "above"
             out.append(Verdict(claim, DISAGREES, f"{detail}, {where} the claimed range"))

@@ -65,7 +65,7 @@ def find_listening_pid(url: str) -> int | None:
 
 
 class HttpBackend:
-    def __init__(self, base_url: str, model: str | None = None, sample_every_s: float = 0.5) -> None:
+    def __init__(self, base_url: str, model: str | None = None, sample_every_s: float = 0.2) -> None:
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.sample_every_s = sample_every_s

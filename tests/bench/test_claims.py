@@ -78,3 +78,10 @@ def test_identical_schedules_set_the_noise_floor() -> None:
     assert statuses["iteration-level has the best throughput"] == TIE  # 6.7% ahead, but below the 10.7% floor
     assert statuses["continuous has excellent throughput (dynamic < continuous)"] == HOLDS
     assert "identical schedule" in noise_sentence(results)
+
+
+def test_speedup_at_the_edge_of_the_range_is_a_tie() -> None:
+    results = {"continuous": fake(49, 1, 1), "iteration": fake(40, 1, 1)}
+    statuses = by_claim(evaluate(results, baseline=fake(10, 1, 1)))
+    assert statuses["continuous batching gives 5-20x the throughput of no batching"] == TIE  # 4.9x
+    assert statuses["iteration-level batching gives 5-20x the throughput of no batching"] == DISAGREES  # 4.0x
