@@ -28,7 +28,10 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--scheduler", default="iteration")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from conveyor import LLM, SamplingParams
 
