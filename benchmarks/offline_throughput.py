@@ -71,14 +71,27 @@ def main() -> None:
 
 
 def hf_model(name: str, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
+    """HF's own LlamaForCausalLM holding exactly the weights conveyor serves (for a GGUF: dequantized
+    by conveyor's loader, since HF's GGUF path needs `accelerate`)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-    from conveyor.model.loader import resolve
+    from conveyor.model.loader import load_checkpoint, resolve
 
     kind, path = resolve(name)
-    if kind == "gguf":
-        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+    if kind == "hf":
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+    c = load_checkpoint(name).config
+    cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                      num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+                      num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+                      rope_theta=c.rope_theta, max_position_embeddings=c.max_position_embeddings,
+                      tie_word_embeddings=c.tie_word_embeddings)
+    model = LlamaForCausalLM(cfg)
+    tensors = load_checkpoint(name).tensors
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
+    return model.to(dtype).eval()
 
 
 if __name__ == "__main__":

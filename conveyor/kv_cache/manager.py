@@ -47,6 +47,10 @@ class KVCacheManager:
             hashes.append(hash_block(parent, tuple(tokens[i * bs:(i + 1) * bs]), req.cache_salt))
         return hashes
 
+    def prefix_block_hashes(self, req: Request) -> list[int]:
+        """Chained hashes of the full blocks a prefix lookup for `req` may use (memoized per request)."""
+        return self._block_hashes(req, (req.num_tokens - 1) // self.block_size)
+
     def lookup_prefix(self, req: Request) -> list[int]:
         """The longest run of cached full blocks that starts the request's tokens.
 

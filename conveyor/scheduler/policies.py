@@ -90,7 +90,9 @@ class IterationPolicy(Policy):
       prompts are in flight at once, so short ones are not stuck behind them;
     - waiting requests go by effective priority (lower first), which improves by one level every
       `aging_steps` steps of waiting, so nobody starves; ties go to requests whose prefix is
-      cached (bounded by the same aging), then to the oldest;
+      cached (bounded by the same aging), then to the oldest; a request whose next uncached block
+      another request is computing right now waits for it (also bounded), so a shared system prompt
+      arriving in a burst is computed once, not once per request;
     - preemption picks the lowest-priority, newest running request.
     """
 
@@ -115,16 +117,40 @@ class IterationPolicy(Policy):
         if step.preempted:
             return  # the pool is full: admitting more would only thrash
         long_running = sum(1 for r in s.running if r.is_prefill and r.num_remaining_work > self.long_threshold)
+        inflight = self.inflight_prefix_hashes(s, s.running)
         for req in self.order_waiting(s):
             if not step.has_room():
                 break
             is_long = req.num_tokens - req.num_computed_tokens > self.long_threshold
             if is_long and long_running >= self.max_partial_prefills:
                 continue
+            if self.prefix_in_flight(s, req, inflight):
+                continue
             if s.admit(step, req, chunk=True):
                 long_running += is_long and req.num_remaining_work > 0
+                inflight |= self.inflight_prefix_hashes(s, [req])
             elif s.kv.pool.num_free == 0:
                 break
+
+    @staticmethod
+    def inflight_prefix_hashes(s: Scheduler, reqs) -> set[int]:
+        """Hashes of prompt blocks that running requests are computing now (not yet cached)."""
+        if not s.kv.enable_caching:
+            return set()
+        out: set[int] = set()
+        for r in reqs:
+            if r.num_computed_tokens < r.num_prompt_tokens and r.num_preemptions == 0:
+                out.update(s.kv.prefix_block_hashes(r)[r.num_computed_tokens // s.kv.block_size:])
+        return out
+
+    def prefix_in_flight(self, s: Scheduler, req: Request, inflight: set[int]) -> bool:
+        """Hold a request back while another one is computing the very prefix it would reuse: a step
+        later that prefix is cached, instead of computed twice side by side. Bounded by aging."""
+        if not inflight or req.waited_steps >= self.aging_steps or req.num_computed_tokens:
+            return False
+        hashes = s.kv.prefix_block_hashes(req)
+        cached = len(s.kv.lookup_prefix(req))
+        return cached < len(hashes) and hashes[cached] in inflight
 
     def order_waiting(self, s: Scheduler) -> list[Request]:
         waiting = list(s.waiting)

@@ -137,3 +137,19 @@ def test_admission_reserve_avoids_preemption():
 
     assert preemptions(False) > 0
     assert preemptions(True) == 0
+
+
+def test_iteration_computes_a_shared_prefix_once_when_requests_arrive_together():
+    h = Harness(scheduler="iteration")
+    system = [4] * 12
+    a = h.add(prompt=system + [1, 2], max_tokens=2)
+    b = h.add(prompt=system + [3, 5], max_tokens=2)
+    c = h.add(prompt=[6] * 14, max_tokens=2)  # unrelated: not held back
+    assert h.ids_in(h.step()) == {a.request_id, c.request_id}
+    step = h.step()
+    assert b.request_id in h.ids_in(step)
+    assert b.num_cached_tokens == 12, "the follower should reuse the prefix computed a step earlier"
+    # with prefix caching off there is nothing to wait for
+    h = Harness(scheduler="iteration", enable_prefix_caching=False)
+    reqs = [h.add(prompt=system + [i, i], max_tokens=2) for i in range(3)]
+    assert h.ids_in(h.step()) == {r.request_id for r in reqs}
