@@ -57,9 +57,10 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
     want_logprobs = any(r.params.logprobs is not None for r in reqs)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
-    greedy = torch.tensor([r.params.greedy for r in reqs], device=dev)
+    greedy_list = [r.params.greedy for r in reqs]  # decided on the host: no device sync per step
     tokens = logits.argmax(dim=-1)
-    if not bool(greedy.all()):
+    if not all(greedy_list):
+        greedy = torch.tensor(greedy_list, device=dev)
         temps = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in reqs], device=dev)
         x = logits / temps[:, None]
         top_k = [r.params.top_k if r.params.top_k > 0 else v for r in reqs]
@@ -67,8 +68,8 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
             k_t = torch.tensor(top_k, device=dev).clamp(max=v)
             kth = x.sort(dim=-1, descending=True).values.gather(1, (k_t - 1)[:, None])
             x = x.masked_fill(x < kth, float("-inf"))
-        top_p = torch.tensor([r.params.top_p for r in reqs], device=dev)
-        if bool((top_p < 1).any()):
+        if any(r.params.top_p < 1 for r in reqs):
+            top_p = torch.tensor([r.params.top_p for r in reqs], device=dev)
             sorted_x, idx = x.sort(dim=-1, descending=True)
             probs_sorted = sorted_x.softmax(dim=-1)
             cum = probs_sorted.cumsum(dim=-1)
@@ -76,8 +77,8 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
             drop = torch.zeros_like(drop_sorted).scatter(1, idx, drop_sorted)
             x = x.masked_fill(drop, float("-inf"))
         probs = x.softmax(dim=-1)
-        min_p = torch.tensor([r.params.min_p for r in reqs], device=dev)
-        if bool((min_p > 0).any()):
+        if any(r.params.min_p > 0 for r in reqs):
+            min_p = torch.tensor([r.params.min_p for r in reqs], device=dev)
             probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
         race = torch.empty_like(probs).exponential_()
         for i, r in enumerate(reqs):
