@@ -15,13 +15,12 @@ import dataclasses
 import queue
 import threading
 import time
-from dataclasses import dataclass
 
 from conveyor.bench.loadgen import RequestRecord
 from conveyor.bench.stats import contiguous_waste, paged_waste
 from conveyor.bench.workloads import BenchRequest
 from conveyor.config import EngineConfig
-from conveyor.engine.llm_engine import LLMEngine
+from conveyor.engine.llm_engine import LLMEngine, StepStats
 from conveyor.kv_cache import KVCacheManager
 from conveyor.request import Request
 from conveyor.sampling_params import SamplingParams
@@ -29,24 +28,6 @@ from conveyor.scheduler.core import Scheduler
 from conveyor.scheduler.policies import make_policy
 
 _IDLE_WAIT_S = 0.001  # a step scheduled nothing (a batcher is waiting): wait this long for news
-
-
-@dataclass
-class StepSample:
-    """One non-empty engine step, as the lab keeps it (times are `time.monotonic()`)."""
-
-    start: float
-    end: float
-    num_seqs: int
-    num_tokens: int
-    num_prefill_tokens: int
-    request_ids: list[str]
-    num_preempted: int
-    kv_used_blocks: int
-    kv_used_slots: int
-    num_running: int  # after the step (finished requests already left)
-    logical_tokens: int  # tokens of the running requests' contexts, shared prefixes counted per request
-    num_waiting: int
 
 
 def reset_engine(engine: LLMEngine, config: EngineConfig) -> None:
@@ -72,7 +53,7 @@ def strategy_config(base: EngineConfig, scheduler: str, **overrides) -> EngineCo
 class EngineBackend:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self.steps: list[StepSample] = []
+        self.steps: list[StepStats] = []  # the non-empty steps, as the engine recorded them
         self._inbox: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -178,12 +159,7 @@ class EngineBackend:
         st = engine.step_stats.pop() if engine.step_stats else None
         if st is None or st.num_seqs == 0:
             return False
-        self.steps.append(StepSample(
-            start=st.start, end=now, num_seqs=st.num_seqs, num_tokens=st.num_tokens,
-            num_prefill_tokens=st.num_prefill_tokens, request_ids=list(st.request_ids),
-            num_preempted=st.num_preempted, kv_used_blocks=st.kv_used_blocks, kv_used_slots=st.kv_used_slots,
-            num_running=engine.num_running, num_waiting=engine.num_waiting,
-            logical_tokens=sum(r.num_computed_tokens for r in engine.scheduler.running)))
+        self.steps.append(st)
         for d in deltas:
             live = self._live.get(d.group_id)
             if live is None:
@@ -218,7 +194,7 @@ class EngineBackend:
         self._live.clear()
 
 
-def engine_stats_from_steps(steps: list[StepSample], num_blocks: int, block_size: int, max_model_len: int,
+def engine_stats_from_steps(steps: list[StepStats], num_blocks: int, block_size: int, max_model_len: int,
                             prefix_queries: int, prefix_hits: int) -> dict:
     """Batch size, KV usage and KV waste over a run, each a plain mean over its non-empty steps.
 

@@ -7,11 +7,12 @@ import contextlib
 
 from tqdm.auto import tqdm
 
-from conveyor.bench.engine_backend import EngineBackend, StepSample
+from conveyor.bench.engine_backend import EngineBackend
 from conveyor.bench.loadgen import Backend, LoadPattern, drive
 from conveyor.bench.result import build_result
 from conveyor.bench.stats import FlopModel
 from conveyor.bench.workloads import BenchRequest
+from conveyor.engine.llm_engine import StepStats
 
 
 async def run_once(backend: Backend, requests: list[BenchRequest], load: LoadPattern, *,
@@ -46,7 +47,7 @@ async def run_once(backend: Backend, requests: list[BenchRequest], load: LoadPat
     return res
 
 
-def compact_steps(steps: list[StepSample], t0: float) -> list[dict]:
+def compact_steps(steps: list[StepStats], t0: float) -> list[dict]:
     """Each step as {t: start (s after the run began), d: duration, ids: request indices, tok, pf}."""
     return [{"t": round(s.start - t0, 6), "d": round(s.end - s.start, 6), "tok": s.num_tokens,
              "pf": s.num_prefill_tokens, "ids": [_index(r) for r in s.request_ids],

@@ -39,6 +39,13 @@ class StepStats:
     num_preempted: int
     kv_used_blocks: int
     kv_used_slots: int  # slots of used blocks that hold a token (the rest is waste)
+    num_running: int = 0  # after the step (finished requests already left)
+    num_waiting: int = 0
+    logical_tokens: int = 0  # running requests' context tokens, a shared prefix counted per request
+
+    @property
+    def end(self) -> float:
+        return self.start + self.duration
 
 
 class LLMEngine:
@@ -177,6 +184,8 @@ class LLMEngine:
             num_prefill_tokens=sum(it.num_tokens for it in plan.items if it.num_tokens > 1),
             request_ids=[it.request.group_id for it in plan.items], num_preempted=len(plan.preempted),
             kv_used_blocks=used_blocks, kv_used_slots=used_blocks * bs - empty,
+            num_running=self.num_running, num_waiting=self.num_waiting,
+            logical_tokens=sum(r.num_computed_tokens for r in self.scheduler.running),
         ))
 
     # --- introspection for metrics ------------------------------------------------------------------
