@@ -36,6 +36,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--admission-reserve", action="store_true",
                    help="admit a request only if its prompt and its whole remaining output fit in KV")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "kernel", "torch"],
+                   help="auto: the compiled CPU kernels where they apply (CPU, fp32/bf16), else pure torch; "
+                        "torch: the reference path everywhere (default: auto)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch compute threads (default: one per physical core)")
 
 
 def engine_config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
@@ -46,7 +51,7 @@ def engine_config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
         scheduler=args.scheduler, batch_size=args.batch_size, batch_timeout_ms=args.batch_timeout_ms,
         max_num_partial_prefills=args.max_num_partial_prefills,
         enable_prefix_caching=args.enable_prefix_caching, admission_reserve=args.admission_reserve,
-        seed=args.seed, **extra,
+        seed=args.seed, attention_backend=args.attention_backend, threads=args.threads, **extra,
     )
 
 

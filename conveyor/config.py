@@ -29,6 +29,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     admission_reserve: bool = False  # admit only if prompt + remaining output fits (mini-sglang style)
     seed: int = 0
+    attention_backend: str = "auto"  # auto | kernel | torch (see conveyor/model/attention.py)
+    threads: int | None = None  # torch compute threads; None: one per physical core (CPU)
     served_model_name: str | None = None
     trust_remote_code: bool = False
     extra: dict = field(default_factory=dict)
@@ -48,5 +50,9 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.attention_backend not in ("auto", "kernel", "torch"):
+            raise ValueError(f"attention_backend must be auto, kernel or torch, got {self.attention_backend!r}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")

@@ -62,8 +62,6 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of inter-arrivals (1 = Poisson)")
     g.add_argument("--timeout", type=float, default=600.0, help="seconds before a run cancels what is left")
     g.add_argument("--no-progress", dest="progress", action="store_false")
-    g.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads for the engine and the peak-FLOP/s measurement (default: torch's)")
     g.add_argument("--peak-matmul-size", type=int, default=2048,
                    help="n of the n x n x n matmul that measures peak FLOP/s for MFU")
     g.add_argument("--static-flush-ms", type=float, default=1000.0,

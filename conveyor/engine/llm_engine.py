@@ -25,6 +25,9 @@ from conveyor.scheduler.policies import make_policy
 log = logging.getLogger("conveyor.engine")
 
 
+STEP_PHASES = ("schedule", "prepare", "forward", "sample", "update")
+
+
 @dataclass
 class StepStats:
     """What one step did, for metrics and the batching lab's occupancy timeline."""
@@ -42,6 +45,8 @@ class StepStats:
     num_running: int = 0  # after the step (finished requests already left)
     num_waiting: int = 0
     logical_tokens: int = 0  # running requests' context tokens, a shared prefix counted per request
+    phases: dict[str, float] | None = None  # seconds in each of STEP_PHASES
+
 
     @property
     def end(self) -> float:
@@ -75,6 +80,7 @@ class LLMEngine:
         self.record_steps = False
         self.total_prompt_tokens = 0
         self.total_generation_tokens = 0
+        self.phase_seconds = dict.fromkeys(STEP_PHASES, 0.0)  # cumulative, for the log, /metrics and the lab
         log.info("model %s on %s/%s: KV cache %d blocks x %d tokens = %d tokens (%.2f GiB), max_model_len %d, "
                  "scheduler %s, loaded in %.1fs", config.model, self.runner.device, self.runner.dtype,
                  self.runner.num_blocks, config.block_size, pool_tokens,
@@ -135,12 +141,20 @@ class LLMEngine:
     # --- the step -----------------------------------------------------------------------------------
     def step(self) -> list[StepDelta]:
         start = time.monotonic()
+        t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         tables = [self.kv.block_tables[it.request.request_id] for it in plan.items]
+        t1 = time.perf_counter()
         result = self.runner.execute(plan.items, tables, self.kv.take_copies())
+        t2 = time.perf_counter()
         deltas = self._update(plan, result)
+        prepare, forward, sample = self.runner.last_phases
+        phases = {"schedule": t1 - t0, "prepare": prepare, "forward": forward, "sample": sample,
+                  "update": time.perf_counter() - t2 + max(t2 - t1 - prepare - forward - sample, 0.0)}
+        for k, v in phases.items():
+            self.phase_seconds[k] += v
         if self.record_steps:
-            self._record(plan, start)
+            self._record(plan, start, phases)
         return deltas
 
     def _update(self, plan: Step, result) -> list[StepDelta]:
@@ -171,7 +185,7 @@ class LLMEngine:
                 self.detok.release(req.request_id)
         return deltas
 
-    def _record(self, plan: Step, start: float) -> None:
+    def _record(self, plan: Step, start: float, phases: dict[str, float]) -> None:
         bs = self.config.block_size
         tables = self.kv.block_tables
         # empty slots = the unfilled tail of each request's last block; shared full blocks waste nothing
@@ -185,7 +199,7 @@ class LLMEngine:
             request_ids=[it.request.group_id for it in plan.items], num_preempted=len(plan.preempted),
             kv_used_blocks=used_blocks, kv_used_slots=used_blocks * bs - empty,
             num_running=self.num_running, num_waiting=self.num_waiting,
-            logical_tokens=sum(r.num_computed_tokens for r in self.scheduler.running),
+            logical_tokens=sum(r.num_computed_tokens for r in self.scheduler.running), phases=phases,
         ))
 
     # --- introspection for metrics ------------------------------------------------------------------

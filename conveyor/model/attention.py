@@ -1,25 +1,73 @@
-"""Attention over the paged KV cache, in plain vectorised torch (runs on CPU and CUDA alike).
+"""Attention over the paged KV cache: a compiled CPU kernel, and the pure-torch reference beside it.
 
 One step's tokens from every request arrive flattened: `[num_tokens, heads, head_dim]`. The
-runner builds `AttentionMetadata` once per step; every layer reuses it, so per layer there is a
-constant number of tensor ops and no Python loop over tokens, blocks or requests.
+runner builds `AttentionMetadata` once per step; every layer reuses it.
 
-Requests are split into at most two groups so padding stays small in mixed batches: decodes
-(one query token each) and prefills (a prompt or a chunk of one). Within a group, queries are
-padded to the longest, the group's KV is gathered block-wise through the block tables, and one
-`scaled_dot_product_attention` call with a boolean mask does causal + padding masking.
+The cache layout is per layer `k_cache: [num_blocks, Hkv, head_dim, block_size]` (K transposed
+inside a block, so that a tile of keys is contiguous for every dimension: the kernel's Q.K^T is a
+run of vector FMAs with no transposition) and `v_cache: [num_blocks, Hkv, block_size, head_dim]`.
+
+Two implementations read it:
+- `kernel` (CPU, fp32/bf16): `conveyor/kernels/csrc/paged_attention.cpp`, one call per layer for the
+  whole step, K/V read straight from the blocks through the block tables, GQA groups sharing each
+  K/V load, a fixed KV tile order per query (the result for a token does not depend on its batch).
+- `torch` (any device, any dtype): vectorised torch, the reference the kernel is tested against.
+  Requests are split into decodes, whole prompts and continued chunks; a group's KV is gathered
+  through the block tables and one `scaled_dot_product_attention` call does the masking.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from conveyor import kernels
+
+log = logging.getLogger("conveyor.attention")
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+KERNEL_HEAD_DIMS = (32, 64, 80, 96, 128, 256)
+KERNEL_MAX_GROUP = 64
+
+
+def cache_shapes(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+                 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(K shape, V shape) of one layer's cache."""
+    return (num_blocks, num_kv_heads, head_dim, block_size), (num_blocks, num_kv_heads, block_size, head_dim)
+
+
+def choose_backend(requested: str, device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                   head_dim: int) -> str:
+    """'kernel' where the compiled kernel applies and builds, else 'torch'. `requested`: auto | kernel | torch."""
+    if requested not in ("auto", "kernel", "torch"):
+        raise ValueError(f"attention backend must be auto, kernel or torch, got {requested!r}")
+    if requested == "torch":
+        return "torch"
+    why = None
+    if device.type != "cpu":
+        why = f"device {device.type}"
+    elif dtype not in KERNEL_DTYPES:
+        why = f"dtype {dtype}"
+    elif head_dim not in KERNEL_HEAD_DIMS or num_heads // num_kv_heads > KERNEL_MAX_GROUP:
+        why = f"head_dim {head_dim} / GQA group {num_heads // num_kv_heads}"
+    elif kernels.load() is None:
+        why = "it could not be built"
+    if why is None:
+        return "kernel"
+    if requested == "kernel":
+        raise ValueError(f"the compiled attention kernel was asked for but does not apply: {why}")
+    log.info("attention: pure-torch path (compiled kernel not used: %s)", why)
+    return "torch"
 
 
 @dataclass
 class AttentionGroup:
+    """Reference path: one group of requests padded to a common query length."""
+
     num_seqs: int
     max_query_len: int
     query_index: torch.Tensor  # [num_seqs * max_query_len] -> flat token index (padding -> 0)
@@ -39,9 +87,13 @@ class AttentionGroup:
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [num_tokens] -> slot = block * block_size + offset
-    groups: list[AttentionGroup]
+    slot_mapping: torch.Tensor  # [num_tokens] int64 -> slot = block * block_size + offset
     block_size: int
+    backend: str = "torch"
+    groups: list[AttentionGroup] | None = None  # torch backend
+    block_tables: torch.Tensor | None = None  # kernel backend: int32 [num_seqs, max_blocks]
+    cu_query_lens: torch.Tensor | None = None  # kernel backend: int32 [num_seqs + 1]
+    context_lens: torch.Tensor | None = None  # kernel backend: int32 [num_seqs]
 
 
 def build_metadata(
@@ -50,35 +102,45 @@ def build_metadata(
     block_tables: list[list[int]],
     block_size: int,
     device: torch.device,
+    backend: str = "torch",
 ) -> AttentionMetadata:
     """Describe one flattened step: request i contributes query_lens[i] tokens ending at context_lens[i]."""
-    starts = [0]
-    for q in query_lens:
-        starts.append(starts[-1] + q)
-    slot_mapping = torch.empty(starts[-1], dtype=torch.long)
+    n = len(query_lens)
+    q_lens = np.asarray(query_lens, dtype=np.int64)
+    ctx = np.asarray(context_lens, dtype=np.int64)
+    cu = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=cu[1:])
+    nbs = -(-ctx // block_size)
+    max_blocks = int(nbs.max()) if n else 0
+    tables = np.zeros((n, max_blocks), dtype=np.int64)
+    for i, (t, nb) in enumerate(zip(block_tables, nbs)):
+        tables[i, :nb] = t[:nb]
+    # slot of every token: position -> (block via the table, offset)
+    seq_of = np.repeat(np.arange(n), q_lens)
+    pos = np.arange(cu[-1]) - cu[seq_of] + (ctx - q_lens)[seq_of]
+    slots = tables[seq_of, pos // block_size] * block_size + pos % block_size
+    meta = AttentionMetadata(torch.from_numpy(slots).to(device), block_size, backend)
+    if backend == "kernel":
+        meta.block_tables = torch.from_numpy(tables.astype(np.int32))
+        meta.cu_query_lens = torch.from_numpy(cu.astype(np.int32))
+        meta.context_lens = torch.from_numpy(ctx.astype(np.int32))
+        return meta
     decode = [i for i, q in enumerate(query_lens) if q == 1]
     fresh = [i for i, q in enumerate(query_lens) if q > 1 and context_lens[i] == q]
     cont = [i for i, q in enumerate(query_lens) if q > 1 and context_lens[i] > q]
-    groups = []
-    for members in (decode, fresh, cont):
-        if members:
-            group, slots = _build_group(members, query_lens, context_lens, block_tables, starts, block_size,
-                                        fresh=members is fresh)
-            slot_mapping[group.token_index] = slots
-            groups.append(group.to(device))
-    return AttentionMetadata(slot_mapping.to(device), groups, block_size)
+    meta.groups = [_build_group(m, query_lens, context_lens, tables, cu, block_size, fresh=m is fresh).to(device)
+                   for m in (decode, fresh, cont) if m]
+    return meta
 
 
-def _build_group(members, query_lens, context_lens, block_tables, starts, block_size, fresh=False):
+def _build_group(members, query_lens, context_lens, tables, starts, block_size, fresh=False) -> AttentionGroup:
     n = len(members)
     max_q = max(query_lens[i] for i in members)
-    nbs = [-(-context_lens[i] // block_size) for i in members]
-    max_blocks = max(nbs)
-    tables = torch.tensor([block_tables[i][:nb] + [0] * (max_blocks - nb) for i, nb in zip(members, nbs)],
-                          dtype=torch.long)
+    max_blocks = max(-(-context_lens[i] // block_size) for i in members)
+    group_tables = torch.from_numpy(tables[members, :max_blocks].copy())
     q_lens = torch.tensor([query_lens[i] for i in members])
     ctx_lens = torch.tensor([context_lens[i] for i in members])
-    starts_t = torch.tensor([starts[i] for i in members])
+    starts_t = torch.tensor([int(starts[i]) for i in members])
     j = torch.arange(max_q)
     valid = j[None, :] < q_lens[:, None]  # [n, max_q]
     query_index = torch.where(valid, starts_t[:, None] + j[None, :], 0).reshape(-1)
@@ -89,25 +151,44 @@ def _build_group(members, query_lens, context_lens, block_tables, starts, block_
         mask = (torch.arange(max_blocks * block_size)[None, None, :] <= q_pos[:, :, None])[:, None]
     flat_valid = valid.reshape(-1).nonzero().squeeze(1)
     token_index = query_index[flat_valid]
-    slots = (tables.gather(1, q_pos // block_size) * block_size + q_pos % block_size).reshape(-1)[flat_valid]
     identity = max_q == 1 and members == list(range(members[0], members[0] + n))
-    group = AttentionGroup(n, max_q, query_index, token_index, flat_valid, tables, mask, identity, fresh)
-    return group, slots
+    return AttentionGroup(n, max_q, query_index, token_index, flat_valid, group_tables, mask, identity, fresh)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             meta: AttentionMetadata) -> None:
+    """Store this step's K/V [T, Hkv, D] in their slots."""
+    if meta.backend == "kernel":
+        kernels.load().write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        return
+    bs = meta.block_size
+    blk, off = meta.slot_mapping // bs, meta.slot_mapping % bs
+    k_cache.permute(0, 3, 1, 2).index_put_((blk, off), k.to(k_cache.dtype))  # [NB, BS, Hkv, D] view
+    v_cache.permute(0, 2, 1, 3).index_put_((blk, off), v.to(v_cache.dtype))
 
 
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,  # [T, Hkv, D]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    v_cache: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, Hkv, D, block_size]
+    v_cache: torch.Tensor,  # [num_blocks, Hkv, block_size, D]
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
     """Write this step's K/V into their slots, then attend every query to its request's context."""
-    num_blocks, block_size, hkv, d = k_cache.shape
-    k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    write_kv(k, v, k_cache, v_cache, meta)
+    if meta.backend == "kernel":
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        kernels.load().paged_attention(out, q, k_cache, v_cache, meta.block_tables, meta.cu_query_lens,
+                                       meta.context_lens, scale)
+        return out
+    return _torch_attention(q, k, v, k_cache, v_cache, meta, scale)
+
+
+def _torch_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    _, hkv, d, bs = k_cache.shape
     h = q.shape[1]
     out = q.new_empty(q.shape)
     gqa = h != hkv
@@ -119,8 +200,11 @@ def paged_attention(
             vg = v.index_select(0, g.query_index).view(n, mq, hkv, d).transpose(1, 2).to(q.dtype)
             og = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            kg = k_cache.index_select(0, g.block_tables.view(-1)).view(n, -1, hkv, d).transpose(1, 2)
-            vg = v_cache.index_select(0, g.block_tables.view(-1)).view(n, -1, hkv, d).transpose(1, 2)
+            nb = g.block_tables.shape[1]
+            kg = (k_cache.index_select(0, g.block_tables.view(-1)).view(n, nb, hkv, d, bs)
+                  .permute(0, 2, 1, 4, 3).reshape(n, hkv, nb * bs, d))
+            vg = (v_cache.index_select(0, g.block_tables.view(-1)).view(n, nb, hkv, bs, d)
+                  .permute(0, 2, 1, 3, 4).reshape(n, hkv, nb * bs, d))
             og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=gqa)
         og = og.transpose(1, 2).reshape(n * mq, h, d)
         if g.identity and len(meta.groups) == 1:

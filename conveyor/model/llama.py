@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conveyor import kernels
 from conveyor.model.attention import AttentionMetadata, paged_attention
 
 
@@ -101,21 +102,32 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm that can first add a residual: `norm(x, residual)` does residual += x (in place) and
+    returns (norm(residual), residual), so each layer's two residual adds ride on its two norms."""
+
+    fused = False  # set by the runner: use the compiled kernel (same numerics, one pass)
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.fused:
+            return kernels.load().rms_norm(x, residual, self.weight, self.eps), residual
+        if residual is not None:
+            residual.add_(x)
+            x = residual
         dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype), residual
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """HF's rotate-half convention; x: [T, H, D], cos/sin: [T, 1, D/2]."""
+    """HF's rotate-half convention; x: [T, H, D], cos/sin: [T, D/2] fp32."""
     x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
@@ -127,12 +139,19 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.o_bias)
         self.scale = self.d ** -0.5
 
+    fused = False  # set by the runner: RoPE in place with the compiled kernel
+
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
-        q = apply_rope(q.view(t, self.h, self.d), cos, sin)
-        k = apply_rope(k.view(t, self.hkv, self.d), cos, sin)
-        o = paged_attention(q, k, v.view(t, self.hkv, self.d), k_cache, v_cache, meta, self.scale)
+        q, k, v = q.view(t, self.h, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
+        if self.fused:
+            ops = kernels.load()
+            ops.rope_(q, cos, sin)
+            ops.rope_(k, cos, sin)
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.h * self.d))
 
 
@@ -143,8 +162,13 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
+    fused = False  # set by the runner: silu(gate) * up in one compiled pass
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused:
+            return self.down_proj(kernels.load().silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -156,9 +180,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, k_cache, v_cache, meta):
+        """Returns (this layer's MLP output, the residual stream before it is added)."""
+        if residual is None:
+            residual = x
+            x, _ = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, k_cache, v_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -180,11 +211,17 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; the caller picks rows to turn into logits."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
-        x = self.embed_tokens(input_ids)
+        cos, sin = freqs.cos(), freqs.sin()
+        x, residual = self.embed_tokens(input_ids), None
         for layer, (kc, vc) in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kc, vc, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, kc, vc, meta)
+        return self.norm(x, residual)[0]
+
+    def use_fused_ops(self, on: bool) -> None:
+        """Switch RMSNorm, RoPE and SiLU-mul between the compiled kernels and the torch reference."""
+        for mod in self.modules():
+            if isinstance(mod, (RMSNorm, Attention, MLP)):
+                mod.fused = on
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

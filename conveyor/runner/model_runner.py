@@ -8,6 +8,7 @@ need a next token, and samples.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,8 +16,9 @@ import psutil
 import torch
 
 from conveyor.config import EngineConfig
-from conveyor.model.attention import build_metadata
+from conveyor.model.attention import build_metadata, cache_shapes, choose_backend
 from conveyor.model.llama import LlamaModel, ModelConfig, rope_inv_freq
+from conveyor.model.packed_linear import pack_linears, packing_available
 from conveyor.request import Request
 from conveyor.runner.sampler import SampleResult, sample
 
@@ -33,6 +35,17 @@ def cpu_has_fast_bf16() -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def set_cpu_threads(threads: int | None) -> None:
+    """One compute thread per physical core: a hyperthread sibling shares the core's vector units and
+    only adds contention. An explicit `threads` wins. The HTTP server and detokenization run in other
+    threads and take a core's time only between steps."""
+    if threads is None:
+        physical = psutil.cpu_count(logical=False) or torch.get_num_threads()
+        threads = min(torch.get_num_threads(), physical)
+    if threads != torch.get_num_threads():
+        torch.set_num_threads(threads)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -67,6 +80,8 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], config: EngineConfig) -> None:
         self.model_config = cfg
         self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            set_cpu_threads(config.threads)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         with torch.device("meta"):
@@ -75,9 +90,22 @@ class ModelRunner:
         model.inv_freq = rope_inv_freq(cfg).float()
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.model.inv_freq = self.model.inv_freq.float()
+        # "kernel": compiled attention + fused RMSNorm/RoPE/SiLU (CPU); "torch": the reference everywhere
+        requested = config.extra.get("attention", config.attention_backend)
+        self.attention_backend = choose_backend(requested, self.device, self.dtype, cfg.num_heads,
+                                                cfg.num_kv_heads, cfg.head_dim)
+        self.model.use_fused_ops(self.attention_backend == "kernel")
+        self.packed_linears = 0
+        if config.extra.get("packed_linear", True) and packing_available(self.device, self.dtype):
+            self.packed_linears = pack_linears(self.model)
+        log.info("runner: %s/%s, attention %s, %d linear layers prepacked for oneDNN, %d torch threads",
+                 self.device, self.dtype, self.attention_backend, self.packed_linears, torch.get_num_threads())
         self.num_blocks = self._num_blocks(config)
-        shape = (self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [(self._zeros(shape), self._zeros(shape)) for _ in range(cfg.num_layers)]
+        k_shape, v_shape = cache_shapes(self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [(self._zeros(k_shape), self._zeros(v_shape)) for _ in range(cfg.num_layers)]
+        # seconds of the last execute() in (prepare inputs, model forward, LM head + sampling); on CUDA
+        # the forward is asynchronous, so its time lands in sampling, which waits for it
+        self.last_phases: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         """A zeroed cache tensor. Zeros matter: a masked slot still meets softmax weight 0, and 0 * NaN
@@ -118,11 +146,13 @@ class ModelRunner:
     def execute(self, items: list[ScheduledItem], block_tables: list[list[int]],
                 copies: list[tuple[int, int]] = ()) -> SampleResult | None:
         """Run one step. Returns a sample for each item whose pending tokens are now all computed."""
+        t0 = time.perf_counter()
         for src, dst in copies:  # copy-on-write of shared, partly filled blocks
             for kc, vc in self.kv_caches:
                 kc[dst].copy_(kc[src])
                 vc[dst].copy_(vc[src])
         if not items:
+            self.last_phases = (time.perf_counter() - t0, 0.0, 0.0)
             return None
         ids: list[int] = []
         positions: list[int] = []
@@ -138,10 +168,13 @@ class ModelRunner:
             query_lens.append(it.num_tokens)
             context_lens.append(end)
         dev = self.device
-        meta = build_metadata(query_lens, context_lens, block_tables, self.block_size, dev)
+        meta = build_metadata(query_lens, context_lens, block_tables, self.block_size, dev,
+                              self.attention_backend)
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        t1 = time.perf_counter()
         hidden = self.model(input_ids, pos, self.kv_caches, meta)
+        t2 = time.perf_counter()
         rows, reqs, end = [], [], 0
         for it, q in zip(items, query_lens):
             end += q
@@ -149,6 +182,9 @@ class ModelRunner:
                 rows.append(end - 1)
                 reqs.append(it.request)
         if not rows:
+            self.last_phases = (t1 - t0, time.perf_counter() - t1, 0.0)
             return SampleResult([], [], [])
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=dev)])
-        return sample(logits, reqs)
+        result = sample(logits, reqs)
+        self.last_phases = (t1 - t0, t2 - t1, time.perf_counter() - t2)  # the LM head counts as sampling
+        return result

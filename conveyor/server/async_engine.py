@@ -173,6 +173,7 @@ class _Counters:
     last_log_prompt: int = 0
     last_log_steps: int = 0
     last_log_seqs: int = 0
+    last_log_phases: dict = field(default_factory=dict)
 
 
 class AsyncEngine:
@@ -348,7 +349,7 @@ class AsyncEngine:
             kv_blocks_total=e.kv.pool.num_blocks, prompt_tokens=e.total_prompt_tokens,
             generation_tokens=e.total_generation_tokens, preemptions=e.scheduler.num_preemptions,
             prefix_queries=e.kv.prefix_queries, prefix_hits=e.kv.prefix_hits, steps=self._c.steps,
-            step_seqs=self._c.step_seqs)
+            step_seqs=self._c.step_seqs, phase_seconds=tuple(e.phase_seconds.items()))
 
     def _maybe_log(self) -> None:
         now = time.monotonic()
@@ -359,11 +360,17 @@ class AsyncEngine:
         gen, prompt = s.generation_tokens - c.last_log_gen, s.prompt_tokens - c.last_log_prompt
         steps, seqs = s.steps - c.last_log_steps, s.step_seqs - c.last_log_seqs
         if gen or prompt or s.running or s.waiting:
+            phases = dict(s.phase_seconds)
+            spent = {k: v - c.last_log_phases.get(k, 0.0) for k, v in phases.items()}
+            total = sum(spent.values()) or 1.0
+            split = ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in spent.items())
             log.info("engine: running %d, waiting %d, KV %.1f%% (%d/%d blocks), prompt %.1f tok/s, "
-                     "generation %.1f tok/s, %d steps, mean batch %.2f", s.running, s.waiting, 100 * s.kv_usage,
-                     s.kv_blocks_used, s.kv_blocks_total, prompt / dt, gen / dt, steps, seqs / max(steps, 1))
+                     "generation %.1f tok/s, %d steps, mean batch %.2f, step time: %s", s.running, s.waiting,
+                     100 * s.kv_usage, s.kv_blocks_used, s.kv_blocks_total, prompt / dt, gen / dt, steps,
+                     seqs / max(steps, 1), split)
         c.last_log_t, c.last_log_gen, c.last_log_prompt = now, s.generation_tokens, s.prompt_tokens
         c.last_log_steps, c.last_log_seqs = s.steps, s.step_seqs
+        c.last_log_phases = dict(s.phase_seconds)
 
     def _tick(self) -> str:
         """Drain commands and run a step if there is work: 'ran', 'held' (empty step) or 'idle'."""

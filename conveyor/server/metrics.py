@@ -42,6 +42,7 @@ class EngineStats:
     prefix_hits: int = 0
     steps: int = 0  # steps that ran at least one sequence
     step_seqs: int = 0  # sum of sequences over those steps
+    phase_seconds: tuple[tuple[str, float], ...] = ()  # cumulative seconds per step phase
 
     @property
     def kv_usage(self) -> float:
@@ -82,6 +83,13 @@ class _EngineCollector(Collector):
         yield counter("engine_steps", "Engine steps that ran at least one sequence.", s.steps)
         yield counter("engine_step_seqs", "Sequences summed over engine steps (mean batch = seqs / steps).",
                       s.step_seqs)
+        phases = CounterMetricFamily("conveyor:engine_step_phase_seconds",
+                                     "Seconds the engine spent in each part of its steps (schedule, prepare "
+                                     "inputs, forward, LM head + sampling, output update).",
+                                     labels=["model_name", "phase"])
+        for phase, seconds in s.phase_seconds:
+            phases.add_metric([self.model_name, phase], seconds)
+        yield phases
 
 
 class ServerMetrics:

@@ -146,7 +146,7 @@ def engine_prefill_logits(llm: LLM, ids: list[int], chunks: list[int] | None = N
     with torch.inference_mode():
         for n in sizes:
             end = start + n
-            meta = build_metadata([n], [end], [table], bs, runner.device)
+            meta = build_metadata([n], [end], [table], bs, runner.device, runner.attention_backend)
             hidden = runner.model(torch.tensor(ids[start:end]), torch.arange(start, end), runner.kv_caches, meta)
             out.append(runner.model.compute_logits(hidden))
             start = end
@@ -247,8 +247,9 @@ def test_variant_matches_hf(variant):
         assert not torch.allclose(rope_inv_freq(cfg), plain)  # the scaling really changes frequencies
     elif name == "tied-embeddings":
         assert cfg.tie_word_embeddings
-        assert llm.engine.runner.model.lm_head.weight.data_ptr() == \
-            llm.engine.runner.model.embed_tokens.weight.data_ptr()
+        head = llm.engine.runner.model.lm_head
+        head_ptr = head.source_ptr if hasattr(head, "source_ptr") else head.weight.data_ptr()  # packed or not
+        assert head_ptr == llm.engine.runner.model.embed_tokens.weight.data_ptr()
     elif name == "llama-all-biases":
         assert cfg.qkv_bias and cfg.o_bias and cfg.mlp_bias
     elif name == "wide-head-dim":

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conveyor.model.attention import build_metadata, paged_attention
+from conveyor.model.attention import build_metadata, cache_shapes, paged_attention
 
 
 def reference(q, k_all, v_all, num_cached: int, scale: float) -> torch.Tensor:
@@ -57,15 +57,16 @@ def test_paged_attention_matches_dense(step):
     tables, it = [], iter(order)
     for nb in need:
         tables.append([next(it) for _ in range(nb)])
-    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g)  # garbage everywhere else
-    v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g)
+    k_shape, v_shape = cache_shapes(num_blocks, block_size, hkv, d)
+    k_cache = torch.randn(k_shape, generator=g)  # garbage everywhere else
+    v_cache = torch.randn(v_shape, generator=g)
     full_k, full_v, qs = [], [], []
     for (cached, new), table in zip(reqs, tables):
         k_all = torch.randn(cached + new, hkv, d, generator=g)
         v_all = torch.randn(cached + new, hkv, d, generator=g)
         for pos in range(cached):  # earlier steps already wrote these
-            k_cache[table[pos // block_size], pos % block_size] = k_all[pos]
-            v_cache[table[pos // block_size], pos % block_size] = v_all[pos]
+            k_cache[table[pos // block_size], :, :, pos % block_size] = k_all[pos]
+            v_cache[table[pos // block_size], :, pos % block_size] = v_all[pos]
         full_k.append(k_all)
         full_v.append(v_all)
         qs.append(torch.randn(new, h, d, generator=g))
@@ -83,8 +84,8 @@ def test_paged_attention_matches_dense(step):
         start += new
         for pos in range(cached + new):  # this step's K/V landed in the request's own slots
             blk, off = tables[i][pos // block_size], pos % block_size
-            torch.testing.assert_close(k_cache[blk, off], full_k[i][pos], atol=0, rtol=0)
-            torch.testing.assert_close(v_cache[blk, off], full_v[i][pos], atol=0, rtol=0)
+            torch.testing.assert_close(k_cache[blk, :, :, off], full_k[i][pos], atol=0, rtol=0)
+            torch.testing.assert_close(v_cache[blk, :, off], full_v[i][pos], atol=0, rtol=0)
 
 
 def test_groups_split_by_kind():

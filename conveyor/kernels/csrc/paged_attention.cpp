@@ -1,0 +1,374 @@
+// Paged attention on the CPU, read straight from the block pool.
+//
+// One call serves a whole step: decodes, whole prompts and continued prompt chunks alike. Query
+// token i of sequence s (rows cu_q[s] .. cu_q[s+1]) sits at position ctx_len[s] - q_len + i and
+// attends to keys 0..position of that sequence, found through block_tables[s].
+//
+// Work is split into items (sequence, KV head, tile of query tokens); the query heads that share a
+// KV head (GQA) are processed together, so each K/V element is loaded once per item and reused by
+// every row of it. Keys are visited in fixed tiles of KV_TILE positions counted from position 0,
+// with an online softmax, so the order of every reduction depends only on the query's own position
+// and context: never on the batch it runs in, on how its prompt was chunked, or on the thread count.
+//
+// K/V may be fp32 or bf16; scores, softmax and the accumulator are fp32. The loops are written for
+// the compiler's auto-vectoriser (-O3 -march=native): 16 keys per tile map onto one AVX-512 register
+// (two AVX2 registers), the head dimension onto the accumulator rows.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int KV_TILE = 16;     // keys per online-softmax step: fixed, part of the numerics
+constexpr int MAX_ROWS = 64;    // query rows (tokens x heads of one KV group) per work item
+constexpr int MAX_D = 256;
+
+
+inline float to_float(float x) { return x; }
+inline float to_float(at::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// exp for x <= 0, vectorisable: 2^(x*log2 e) split into integer and fraction, degree-6 polynomial
+// on the fraction (relative error ~2e-7, like expf). Below -87 it returns 0.
+inline float fast_exp(float x) {
+  x = std::max(x, -87.0f);
+  float t = x * 1.44269504088896341f;
+  float fi = std::floor(t);
+  float f = t - fi;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  int32_t e = static_cast<int32_t>(fi) + 127;
+  uint32_t bits = static_cast<uint32_t>(e) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+// exp for x <= 0 on 16 lanes: the same polynomial as fast_exp, 2^i applied with scalef.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, fi);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, fi);
+}
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// One 16-key tile for NR query rows, read straight from the cache: scores (two partial sums over d per
+// row, a fixed order), online-softmax update, P.V into the fp32 accumulators, kept in registers for a
+// chunk of up to 64 dimensions at a time. kt: the tile's K, [D] rows of `kstride` keys; vt: [16][D].
+template <typename T, int D, int NR>
+inline void tile16(const float (*Q)[D], float (*acc)[D], float* m, float* l, const int* valid, int n,
+                   const T* kt, int64_t kstride, const T* vt) {
+  __m512 sa[NR], sb[NR];
+  for (int i = 0; i < NR; ++i) { sa[i] = _mm512_setzero_ps(); sb[i] = _mm512_setzero_ps(); }
+  for (int d = 0; d < D; d += 2) {
+    const __m512 k0 = load16(kt + d * kstride);
+    const __m512 k1 = load16(kt + (d + 1) * kstride);
+    for (int i = 0; i < NR; ++i) {
+      sa[i] = _mm512_fmadd_ps(_mm512_set1_ps(Q[i][d]), k0, sa[i]);
+      sb[i] = _mm512_fmadd_ps(_mm512_set1_ps(Q[i][d + 1]), k1, sb[i]);
+    }
+  }
+  alignas(64) float pr[NR][16];
+  float corr[NR];
+  for (int i = 0; i < NR; ++i) {
+    const int vi = std::max(valid[i], 0);
+    const __mmask16 mask = static_cast<__mmask16>((1u << vi) - 1u);
+    const __m512 s = _mm512_add_ps(sa[i], sb[i]);
+    const float mx = vi > 0 ? std::max(m[i], _mm512_mask_reduce_max_ps(mask, s)) : m[i];
+    const __m512 p = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(s, _mm512_set1_ps(mx))));
+    corr[i] = vi > 0 ? fast_exp(m[i] - mx) : 1.f;
+    l[i] = l[i] * corr[i] + _mm512_reduce_add_ps(p);
+    m[i] = mx;
+    _mm512_store_ps(pr[i], p);
+  }
+  constexpr int CH = D < 64 ? D : 64;  // accumulator chunk: NR x CH/16 registers
+  for (int c = 0; c < D; c += CH) {
+    __m512 a[NR][CH / 16];
+    for (int i = 0; i < NR; ++i) {
+      const __m512 ci = _mm512_set1_ps(corr[i]);
+      for (int b = 0; b < CH / 16; ++b) a[i][b] = _mm512_mul_ps(_mm512_load_ps(acc[i] + c + b * 16), ci);
+    }
+    for (int j = 0; j < n; ++j) {
+      for (int b = 0; b < CH / 16; ++b) {
+        const __m512 v = load16(vt + j * D + c + b * 16);
+        for (int i = 0; i < NR; ++i) a[i][b] = _mm512_fmadd_ps(_mm512_set1_ps(pr[i][j]), v, a[i][b]);
+      }
+    }
+    for (int i = 0; i < NR; ++i) {
+      for (int b = 0; b < CH / 16; ++b) _mm512_store_ps(acc[i] + c + b * 16, a[i][b]);
+    }
+  }
+}
+#endif
+
+template <typename T, int D>
+void attend_item(const T* __restrict q, T* __restrict out, const T* __restrict k_cache, const T* __restrict v_cache,
+                 const int32_t* __restrict table, int64_t q_begin, int64_t q_end, int64_t first_pos, int head0,
+                 int group, int64_t q_stride_t, int64_t block_size, int64_t block_stride, int kvh, float scale) {
+  const int64_t nt = q_end - q_begin;
+  const int rows = static_cast<int>(nt) * group;
+  const int tile = static_cast<int>(std::min<int64_t>(KV_TILE, block_size));
+  alignas(64) float Q[MAX_ROWS][D];
+  alignas(64) float acc[MAX_ROWS][D];
+  alignas(64) float Kt[D][KV_TILE];
+  alignas(64) float V[KV_TILE][D];
+  float m[MAX_ROWS], l[MAX_ROWS];
+  int64_t pos[MAX_ROWS];
+  for (int r = 0; r < rows; ++r) {
+    const int64_t t = q_begin + r / group;
+    const int h = head0 + r % group;
+    const T* src = q + t * q_stride_t + h * D;
+    for (int d = 0; d < D; ++d) Q[r][d] = to_float(src[d]) * scale;
+    for (int d = 0; d < D; ++d) acc[r][d] = 0.f;
+    m[r] = -1e30f;
+    l[r] = 0.f;
+    pos[r] = first_pos + r / group;
+  }
+  for (int j = 0; j < KV_TILE; ++j) {
+    for (int d = 0; d < D; ++d) Kt[d][j] = 0.f;
+  }
+  const int64_t last = pos[rows - 1];  // rows are in position order: the last one sees the most keys
+  const int64_t head_off = static_cast<int64_t>(kvh) * D * block_size;
+  for (int64_t k0 = 0; k0 <= last; k0 += tile) {
+    const int n = static_cast<int>(std::min<int64_t>(tile, last + 1 - k0));
+    const int64_t base = static_cast<int64_t>(table[k0 / block_size]) * block_stride + head_off;
+    const int64_t off = k0 % block_size;
+    const T* ks = k_cache + base + off;      // K block is [D][block_size]: the tile's keys are contiguous per d
+    const T* vs = v_cache + base + off * D;  // V block is [block_size][D]
+    if (k0 + tile <= last) {  // the next tile's K and V are usually in another block: start loading them now
+      const int64_t k1 = k0 + tile;
+      const int64_t nb = static_cast<int64_t>(table[k1 / block_size]) * block_stride + head_off;
+      const char* nk = reinterpret_cast<const char*>(k_cache + nb + k1 % block_size);
+      const char* nv = reinterpret_cast<const char*>(v_cache + nb + (k1 % block_size) * D);
+      const int64_t krow = block_size * static_cast<int64_t>(sizeof(T));
+      const int step = krow * 2 <= 64 ? static_cast<int>(64 / krow) : 1;  // rows that share a cache line
+      for (int d = 0; d < D; d += step) __builtin_prefetch(nk + d * krow);
+      for (int64_t b = 0; b < static_cast<int64_t>(tile * D * sizeof(T)); b += 64) __builtin_prefetch(nv + b);
+    }
+#ifdef __AVX512F__
+    if (tile == 16 && D % 16 == 0) {
+      int valid[MAX_ROWS];
+      for (int r = 0; r < rows; ++r) valid[r] = static_cast<int>(std::min<int64_t>(n, pos[r] + 1 - k0));
+      int r = 0;
+      for (; r + 4 <= rows; r += 4) {
+        tile16<T, D, 4>(Q + r, acc + r, m + r, l + r, valid + r, std::max(valid[r + 3], 0), ks, block_size, vs);
+      }
+      const int nl = std::max(valid[rows - 1], 0);
+      switch (rows - r) {
+        case 3: tile16<T, D, 3>(Q + r, acc + r, m + r, l + r, valid + r, nl, ks, block_size, vs); break;
+        case 2: tile16<T, D, 2>(Q + r, acc + r, m + r, l + r, valid + r, nl, ks, block_size, vs); break;
+        case 1: tile16<T, D, 1>(Q + r, acc + r, m + r, l + r, valid + r, nl, ks, block_size, vs); break;
+        default: break;
+      }
+      continue;
+    }
+#endif
+    for (int d = 0; d < D; ++d) {
+      const T* kd = ks + d * block_size;
+      for (int j = 0; j < n; ++j) Kt[d][j] = to_float(kd[j]);
+    }
+    for (int j = 0; j < n; ++j) {
+      for (int d = 0; d < D; ++d) V[j][d] = to_float(vs[j * D + d]);
+    }
+    for (int r = 0; r < rows; ++r) {
+      const int valid = static_cast<int>(std::min<int64_t>(n, pos[r] + 1 - k0));
+      if (valid <= 0) continue;
+      // scores of this row against the tile: 4 independent partial sums over d, then a fixed tree
+      alignas(64) float s0[KV_TILE] = {0}, s1[KV_TILE] = {0}, s2[KV_TILE] = {0}, s3[KV_TILE] = {0};
+      const float* qr = Q[r];
+      for (int d = 0; d < D; d += 4) {
+        for (int j = 0; j < KV_TILE; ++j) {
+          s0[j] += qr[d] * Kt[d][j];
+          s1[j] += qr[d + 1] * Kt[d + 1][j];
+          s2[j] += qr[d + 2] * Kt[d + 2][j];
+          s3[j] += qr[d + 3] * Kt[d + 3][j];
+        }
+      }
+      alignas(64) float s[KV_TILE];
+      for (int j = 0; j < KV_TILE; ++j) s[j] = (s0[j] + s1[j]) + (s2[j] + s3[j]);
+      float mx = m[r];
+      for (int j = 0; j < valid; ++j) mx = std::max(mx, s[j]);
+      alignas(64) float pr[KV_TILE];
+      for (int j = 0; j < KV_TILE; ++j) pr[j] = fast_exp(s[j] - mx);
+      const float corr = fast_exp(m[r] - mx);
+      float psum = 0.f;
+      for (int j = 0; j < valid; ++j) psum += pr[j];
+      l[r] = l[r] * corr + psum;
+      m[r] = mx;
+      float* a = acc[r];
+      for (int d = 0; d < D; ++d) a[d] *= corr;
+      for (int j = 0; j < valid; ++j) {
+        const float pj = pr[j];
+        for (int d = 0; d < D; ++d) a[d] += pj * V[j][d];
+      }
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    const int64_t t = q_begin + r / group;
+    const int h = head0 + r % group;
+    T* dst = out + t * q_stride_t + h * D;
+    const float inv = 1.f / l[r];
+    for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[r][d] * inv);
+  }
+}
+
+template <typename T, int D>
+void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+         const torch::Tensor& block_tables, const torch::Tensor& cu_q, const torch::Tensor& ctx_lens, float scale) {
+  const int64_t num_seqs = ctx_lens.size(0);
+  const int64_t heads = q.size(1);
+  const int64_t kv_heads = k_cache.size(1), block_size = k_cache.size(3);
+  const int group = static_cast<int>(heads / kv_heads);
+  const int64_t tile_tokens = std::max<int64_t>(1, MAX_ROWS / group);
+  const int32_t* cu = cu_q.data_ptr<int32_t>();
+  const int32_t* ctx = ctx_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t table_stride = block_tables.size(1);
+  // items: (seq, kv head, tile of query tokens); long prompts split into tiles so threads share them
+  struct Item { int32_t seq, kvh; int64_t q0, q1; };
+  std::vector<Item> items;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    for (int64_t t0 = cu[s]; t0 < cu[s + 1]; t0 += tile_tokens) {
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        items.push_back({static_cast<int32_t>(s), static_cast<int32_t>(h), t0,
+                         std::min<int64_t>(t0 + tile_tokens, cu[s + 1])});
+      }
+    }
+  }
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int64_t q_stride_t = q.stride(0);
+  const int64_t block_stride = k_cache.stride(0);
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const Item& it = items[i];
+      const int64_t qlen = cu[it.seq + 1] - cu[it.seq];
+      const int64_t first_pos = ctx[it.seq] - qlen + (it.q0 - cu[it.seq]);
+      attend_item<T, D>(qp, op, kp, vp, tables + it.seq * table_stride, it.q0, it.q1, first_pos, it.kvh * group,
+                        group, q_stride_t, block_size, block_stride, it.kvh, scale);
+    }
+  });
+}
+
+template <typename T>
+void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache, torch::Tensor& v_cache,
+              const torch::Tensor& slots) {
+  const int64_t n = k.size(0), hkv = k.size(1), d = k.size(2), bs = k_cache.size(3);
+  const int64_t bstride = k_cache.stride(0);
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  T* kc = k_cache.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
+  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t blk = sl[t] / bs, off = sl[t] % bs;
+      for (int64_t h = 0; h < hkv; ++h) {
+        T* kd = kc + blk * bstride + h * d * bs + off;
+        T* vd = vc + blk * bstride + (h * bs + off) * d;
+        const T* ksrc = kp + t * ks0 + h * ks1;
+        const T* vsrc = vp + t * vs0 + h * vs1;
+        for (int64_t i = 0; i < d; ++i) kd[i * bs] = ksrc[i];
+        std::memcpy(vd, vsrc, d * sizeof(T));
+      }
+    }
+  });
+}
+
+template <typename T>
+void dispatch_d(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                const torch::Tensor& bt, const torch::Tensor& cu, const torch::Tensor& ctx, float scale) {
+  switch (q.size(2)) {
+    case 64: return run<T, 64>(out, q, k, v, bt, cu, ctx, scale);
+    case 128: return run<T, 128>(out, q, k, v, bt, cu, ctx, scale);
+    case 80: return run<T, 80>(out, q, k, v, bt, cu, ctx, scale);
+    case 96: return run<T, 96>(out, q, k, v, bt, cu, ctx, scale);
+    case 32: return run<T, 32>(out, q, k, v, bt, cu, ctx, scale);
+    case 256: return run<T, 256>(out, q, k, v, bt, cu, ctx, scale);
+    default: TORCH_CHECK(false, "paged_attention: head_dim ", q.size(2), " is not compiled in");
+  }
+}
+
+}  // namespace
+
+// out, q: [T, H, D] contiguous; k_cache: [blocks, Hkv, D, block_size] (K transposed within a block, so a
+// tile of keys is contiguous for every d); v_cache: [blocks, Hkv, block_size, D];
+// block_tables: int32 [S, max_blocks]; cu_q: int32 [S + 1]; ctx_lens: int32 [S].
+void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                     torch::Tensor block_tables, torch::Tensor cu_q, torch::Tensor ctx_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && out.is_contiguous() && out.sizes() == q.sizes(), "q/out: [T, H, D]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(0) == v_cache.size(0));
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type(), "one dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && cu_q.scalar_type() == at::kInt &&
+              ctx_lens.scalar_type() == at::kInt && block_tables.is_contiguous());
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0 && q.size(1) / k_cache.size(1) <= MAX_ROWS, "GQA group too large");
+  TORCH_CHECK(q.size(2) <= MAX_D && q.size(2) == k_cache.size(2) && v_cache.size(3) == q.size(2));
+  if (q.scalar_type() == at::kFloat) {
+    dispatch_d<float>(out, q, k_cache, v_cache, block_tables, cu_q, ctx_lens, static_cast<float>(scale));
+  } else if (q.scalar_type() == at::kBFloat16) {
+    dispatch_d<at::BFloat16>(out, q, k_cache, v_cache, block_tables, cu_q, ctx_lens, static_cast<float>(scale));
+  } else {
+    TORCH_CHECK(false, "paged_attention: dtype ", q.scalar_type(), " is not supported");
+  }
+}
+
+// Scatter this step's K/V [T, Hkv, D] into their slots (slot = block * block_size + offset).
+void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                    torch::Tensor slots) {
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous());
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type());
+  if (k_cache.scalar_type() == at::kFloat) {
+    write_kv<float>(k, v, k_cache, v_cache, slots);
+  } else if (k_cache.scalar_type() == at::kBFloat16) {
+    write_kv<at::BFloat16>(k, v, k_cache, v_cache, slots);
+  } else {
+    TORCH_CHECK(false, "write_kv_cache: dtype ", k_cache.scalar_type(), " is not supported");
+  }
+}
+
+torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
+void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor silu_and_mul(torch::Tensor gate_up);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "[residual +=] x; RMSNorm (CPU)");
+  m.def("rope_", &rope_, "rotary embedding in place (CPU)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU)");
+  m.def("paged_attention", &paged_attention, "paged attention over the block pool (CPU)");
+  m.def("write_kv_cache", &write_kv_cache, "scatter K/V into their cache slots (CPU)");
+}
