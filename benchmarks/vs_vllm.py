@@ -161,17 +161,23 @@ def main() -> int:
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--conveyor-args", default="", help="extra `conveyor serve` flags")
     ap.add_argument("--loads", default="64 clients,single stream")
+    ap.add_argument("--report-only", action="store_true",
+                    help="measure nothing on the servers: re-read the runs/ JSONs next to --out")
     args = ap.parse_args()
     from conveyor.model.loader import load_checkpoint
     cfg = load_checkpoint("smollm2-135m").config
     args.out.parent.mkdir(parents=True, exist_ok=True)
     work = args.out.parent / "runs"
     work.mkdir(exist_ok=True)
-    log = open(work / "servers.log", "w")
+    log = open(work / "servers.log", "a")
     results: dict = {"cpu": cpu_model(), "cpu_flags": cpu_flags_of_interest(), "nproc": os.cpu_count(),
                      "servers": {}}
     loads = [x.strip() for x in args.loads.split(",")]
     for name in ["conveyor"] + ([] if args.skip_vllm else ["vllm"]):
+        if args.report_only:
+            results["servers"][name] = {lab: json.loads((work / f"{name}_{lab.replace(' ', '_')}.json").read_text())
+                                        for lab in loads}
+            continue
         proc, url = serve(name, args, log)
         try:
             wait_ready(url, proc, 600)
@@ -193,8 +199,8 @@ def main() -> int:
         for name, per in results["servers"].items():
             r = per[lab]
             ratio = f"{r['output_throughput'] / base['output_throughput']:.2f}x" if base else "-"
-            print(f"| {lab} | {name} | {r['output_throughput']:.1f} | {r['ttft_ms']['p50']:.0f} | "
-                  f"{r['tpot_ms']['p50']:.1f} | {ratio} |")
+            print(f"| {lab} | {name} | {r['output_throughput']:.1f} | {1000 * r['ttft_s']['p50']:.0f} | "
+                  f"{1000 * r['tpot_s']['p50']:.1f} | {ratio} |")
     conv = results["servers"]["conveyor"]
     if "64 clients" in conv:
         r = conv["64 clients"]

@@ -8,10 +8,10 @@ need a next token, and samples.
 from __future__ import annotations
 
 import logging
+import mmap
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import psutil
 import torch
 
@@ -101,6 +101,7 @@ class ModelRunner:
         log.info("runner: %s/%s, attention %s, %d linear layers prepacked for oneDNN, %d torch threads",
                  self.device, self.dtype, self.attention_backend, self.packed_linears, torch.get_num_threads())
         self.num_blocks = self._num_blocks(config)
+        self._pool_buffers: list[mmap.mmap] = []
         k_shape, v_shape = cache_shapes(self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [(self._zeros(k_shape), self._zeros(v_shape)) for _ in range(cfg.num_layers)]
         # seconds of the last execute() in (prepare inputs, model forward, LM head + sampling); on CUDA
@@ -109,15 +110,24 @@ class ModelRunner:
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         """A zeroed cache tensor. Zeros matter: a masked slot still meets softmax weight 0, and 0 * NaN
-        garbage would be NaN. On CPU, calloc'd memory (numpy.zeros) is zero without touching pages,
-        so a multi-GiB pool costs nothing until used; torch.zeros would write every byte at startup."""
+        garbage would be NaN. On CPU the pool is an anonymous mmap: zero without touching pages, so a
+        multi-GiB pool costs nothing until used (torch.zeros would write every byte at startup), and
+        advised for transparent huge pages: attention reads 2 KiB pieces of blocks scattered over
+        the pool, and with 4 KiB pages nearly every piece was a TLB miss."""
         if self.device.type != "cpu":
             return torch.zeros(shape, dtype=self.dtype, device=self.device)
         elem = torch.tensor([], dtype=self.dtype).element_size()
         numel = 1
         for d in shape:
             numel *= d
-        return torch.from_numpy(np.zeros(numel * elem, dtype=np.uint8)).view(self.dtype).view(shape)
+        buf = mmap.mmap(-1, max(numel * elem, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                buf.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:  # kernel without THP: 4 KiB pages, still correct
+                pass
+        self._pool_buffers.append(buf)  # the tensor views this memory; keep it mapped
+        return torch.frombuffer(buf, dtype=torch.uint8, count=numel * elem).view(self.dtype).view(shape)
 
     @property
     def bytes_per_block(self) -> int:

@@ -30,7 +30,7 @@ import conveyor
 from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.server import protocol as P
-from conveyor.server.async_engine import AsyncEngine
+from conveyor.server.async_engine import AsyncEngine, EngineThread
 from conveyor.server.metrics import CONTENT_TYPE, ServerMetrics
 from conveyor.server.serving import ApiError, OpenAIServing, bad_request
 
@@ -107,9 +107,13 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
     """Load the engine (unless given) and wire the routes; the engine thread starts with the app."""
     args = server_args if isinstance(server_args, ServerArgs) else (
         ServerArgs.from_namespace(server_args) if server_args is not None else ServerArgs())
+    owner = None
+    if engine is None and args.engine_loop == "thread":  # load in the thread that will step it
+        owner = EngineThread(lambda: LLMEngine(engine_config))
+        engine = owner.wait_built()
     engine = engine or LLMEngine(engine_config)
     aengine = AsyncEngine(engine, max_queued_requests=args.max_queued_requests, mode=args.engine_loop,
-                          log_interval_s=args.log_interval)
+                          log_interval_s=args.log_interval, owner=owner)
     metrics = ServerMetrics(engine.model_name, aengine.stats)
     aengine.metrics = metrics
     serving = OpenAIServing(aengine, [engine.model_name])

@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from conveyor.engine.llm_engine import LLMEngine
@@ -176,9 +176,59 @@ class _Counters:
     last_log_phases: dict = field(default_factory=dict)
 
 
+class EngineThread:
+    """The thread that owns the engine's torch work from loading to the last step.
+
+    OpenMP gives every thread that opens parallel regions its own team of workers. If the model is
+    loaded in the main thread and stepped in another, the main thread's idle team slows every step
+    of the other: single-stream decode of SmolLM2 took 27-29 ms a step instead of 20-21 ms (AMD
+    EPYC, 2 cores, `benchmarks/step_profile.py`-style loop, min of 6 runs). So `conveyor serve`
+    builds the engine here, and `AsyncEngine` then runs its loop in this same thread.
+    """
+
+    def __init__(self, build: Callable[[], LLMEngine]) -> None:
+        self._build = build
+        self._loop_fn: Callable[[], None] | None = None
+        self._go = threading.Event()
+        self._built = threading.Event()
+        self._error: BaseException | None = None
+        self.engine: LLMEngine | None = None
+        self.thread = threading.Thread(target=self._main, name="conveyor-engine", daemon=True)
+        self.thread.start()
+
+    def _main(self) -> None:
+        try:
+            self.engine = self._build()
+        except BaseException as e:  # noqa: BLE001 - reported to the caller of wait_built()
+            self._error = e
+            return
+        finally:
+            self._built.set()
+        self._go.wait()
+        if self._loop_fn is not None:
+            self._loop_fn()
+
+    def wait_built(self) -> LLMEngine:
+        self._built.wait()
+        if self._error is not None:
+            raise self._error
+        return self.engine
+
+    def run(self, fn: Callable[[], None]) -> threading.Thread:
+        """Run `fn` (the engine loop) in this thread; returns the thread, to join."""
+        self._loop_fn = fn
+        self._go.set()
+        return self.thread
+
+    def close(self) -> None:
+        """Let the thread end without running a loop (the app never started)."""
+        self._go.set()
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None, max_queued_requests: int | None = None,
-                 mode: str = "thread", log_interval_s: float = 10.0, idle_poll_s: float = 0.001) -> None:
+                 mode: str = "thread", log_interval_s: float = 10.0, idle_poll_s: float = 0.001,
+                 owner: EngineThread | None = None) -> None:
         if mode not in ("thread", "inline"):
             raise ValueError(f"engine loop mode must be 'thread' or 'inline', got {mode!r}")
         self.engine = engine
@@ -187,6 +237,7 @@ class AsyncEngine:
         self.mode = mode
         self.log_interval_s = log_interval_s
         self.idle_poll_s = idle_poll_s
+        self.owner = owner  # the thread that built the engine: the loop runs there (thread mode)
         self.engine.record_steps = True  # we read (and clear) the last StepStats after each step
         self._commands: deque[tuple] = deque()
         self._num_pending_adds = 0  # sequences submitted but not yet drained
@@ -206,10 +257,14 @@ class AsyncEngine:
     # --- lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        if self.mode == "thread":
+        if self.mode == "thread" and self.owner is not None:
+            self._thread = self.owner.run(self._thread_main)
+        elif self.mode == "thread":
             self._thread = threading.Thread(target=self._thread_main, name="conveyor-engine", daemon=True)
             self._thread.start()
         else:
+            if self.owner is not None:
+                self.owner.close()
             self._async_wake = asyncio.Event()
             self._task = asyncio.create_task(self._inline_main())
 

@@ -102,3 +102,12 @@ def test_sigterm_drains_then_exits_0(tiny_llama):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_engine_is_built_in_the_thread_that_steps_it(server, client):
+    """The model is loaded in the engine thread (OpenMP: one team, see EngineThread) and stepped there."""
+    aengine = server.app.state.engine
+    assert aengine.owner is not None and aengine._thread is aengine.owner.thread
+    assert aengine._thread is not threading.main_thread() and aengine._thread.is_alive()
+    out = client.completions.create(model=MODEL, prompt="hello", max_tokens=3, temperature=0)
+    assert out.usage.completion_tokens == 3

@@ -28,6 +28,10 @@ namespace {
 constexpr int KV_TILE = 16;     // keys per online-softmax step: fixed, part of the numerics
 constexpr int MAX_ROWS = 64;    // query rows (tokens x heads of one KV group) per work item
 constexpr int MAX_D = 256;
+// How many tiles ahead K/V are prefetched. Measured on a 64 x 280-token decode over a 20k-block pool
+// (AMD EPYC Zen 4, 2 threads, min of 3): 1 tile ahead ~1.0 ms per layer, 4 ahead ~1.15 ms. Taking all
+// KV heads of a decode in one work item (reading each block front to back) measured slower (~1.15-1.25).
+constexpr int PREFETCH_TILES = 1;
 
 
 inline float to_float(float x) { return x; }
@@ -167,8 +171,8 @@ void attend_item(const T* __restrict q, T* __restrict out, const T* __restrict k
     const int64_t off = k0 % block_size;
     const T* ks = k_cache + base + off;      // K block is [D][block_size]: the tile's keys are contiguous per d
     const T* vs = v_cache + base + off * D;  // V block is [block_size][D]
-    if (k0 + tile <= last) {  // the next tile's K and V are usually in another block: start loading them now
-      const int64_t k1 = k0 + tile;
+    if (k0 + PREFETCH_TILES * tile <= last) {  // tiles ahead sit in other blocks: start loading them now
+      const int64_t k1 = k0 + PREFETCH_TILES * tile;
       const int64_t nb = static_cast<int64_t>(table[k1 / block_size]) * block_stride + head_off;
       const char* nk = reinterpret_cast<const char*>(k_cache + nb + k1 % block_size);
       const char* nv = reinterpret_cast<const char*>(v_cache + nb + (k1 % block_size) * D);
@@ -365,10 +369,12 @@ torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, t
 void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 
+// Every op releases the GIL while it runs: the server's event loop keeps streaming meanwhile.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "[residual +=] x; RMSNorm (CPU)");
-  m.def("rope_", &rope_, "rotary embedding in place (CPU)");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU)");
-  m.def("paged_attention", &paged_attention, "paged attention over the block pool (CPU)");
-  m.def("write_kv_cache", &write_kv_cache, "scatter K/V into their cache slots (CPU)");
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.def("paged_attention", &paged_attention, "paged attention over the block pool (CPU)", release());
+  m.def("write_kv_cache", &write_kv_cache, "scatter K/V into their cache slots (CPU)", release());
+  m.def("rms_norm", &rms_norm, "[residual +=] x; RMSNorm (CPU)", release());
+  m.def("rope_", &rope_, "rotary embedding in place (CPU)", release());
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU)", release());
 }
