@@ -24,7 +24,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=280)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--attention", default="auto", help="auto | torch (the reference path)")
+    ap.add_argument("--attention", default="auto", help="auto | kernel | torch (the reference path)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
@@ -35,7 +35,7 @@ def main() -> None:
     from conveyor.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=max(args.running, 1),
-                                    kv_cache_memory=2.0, extra={"attention": args.attention}))
+                                    kv_cache_memory=2.0, attention_backend=args.attention))
     vocab = engine.model_config.vocab_size
     rng = random.Random(0)
     params = SamplingParams(max_tokens=args.steps + 8, temperature=0, ignore_eos=True)
@@ -46,6 +46,7 @@ def main() -> None:
         engine.step()
     prefill_s = time.perf_counter() - t0
     engine.step()  # warm-up decode
+    before = dict(engine.phase_seconds)
     t0 = time.perf_counter()
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
@@ -56,9 +57,13 @@ def main() -> None:
         for _ in range(args.steps):
             engine.step()
     dt = (time.perf_counter() - t0) / args.steps
+    spent = {k: v - before[k] for k, v in engine.phase_seconds.items()}
     print(f"{engine.runner.dtype} threads={torch.get_num_threads()} running={engine.num_running} "
           f"context~{args.context}: prefill {prefill_s:.2f}s ({args.running * args.context / prefill_s:.0f} tok/s), "
           f"decode step {dt * 1e3:.1f} ms ({engine.num_running / dt:.0f} tok/s)")
+    total = sum(spent.values())
+    print("step split: " + ", ".join(f"{k} {1e3 * v / args.steps:.2f} ms ({100 * v / total:.1f}%)"
+                                      for k, v in spent.items()))
     if args.profile:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 

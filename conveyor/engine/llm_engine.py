@@ -25,7 +25,7 @@ from conveyor.scheduler.policies import make_policy
 log = logging.getLogger("conveyor.engine")
 
 
-STEP_PHASES = ("schedule", "prepare", "forward", "sample", "update")
+STEP_PHASES = ("schedule", "prepare", "forward", "lm_head", "sample", "update")
 
 
 @dataclass
@@ -148,9 +148,9 @@ class LLMEngine:
         result = self.runner.execute(plan.items, tables, self.kv.take_copies())
         t2 = time.perf_counter()
         deltas = self._update(plan, result)
-        prepare, forward, sample = self.runner.last_phases
-        phases = {"schedule": t1 - t0, "prepare": prepare, "forward": forward, "sample": sample,
-                  "update": time.perf_counter() - t2 + max(t2 - t1 - prepare - forward - sample, 0.0)}
+        prepare, forward, lm_head, sample = self.runner.last_phases
+        phases = {"schedule": t1 - t0, "prepare": prepare, "forward": forward, "lm_head": lm_head, "sample": sample,
+                  "update": time.perf_counter() - t2 + max(t2 - t1 - prepare - forward - lm_head - sample, 0.0)}
         for k, v in phases.items():
             self.phase_seconds[k] += v
         if self.record_steps:

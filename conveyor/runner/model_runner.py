@@ -104,9 +104,9 @@ class ModelRunner:
         self._pool_buffers: list[mmap.mmap] = []
         k_shape, v_shape = cache_shapes(self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [(self._zeros(k_shape), self._zeros(v_shape)) for _ in range(cfg.num_layers)]
-        # seconds of the last execute() in (prepare inputs, model forward, LM head + sampling); on CUDA
-        # the forward is asynchronous, so its time lands in sampling, which waits for it
-        self.last_phases: tuple[float, float, float] = (0.0, 0.0, 0.0)
+        # seconds of the last execute() in (prepare inputs, model forward, LM head, sampling); on CUDA the
+        # forward is asynchronous, so its time lands in sampling, which waits for it
+        self.last_phases: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         """A zeroed cache tensor. Zeros matter: a masked slot still meets softmax weight 0, and 0 * NaN
@@ -162,7 +162,7 @@ class ModelRunner:
                 kc[dst].copy_(kc[src])
                 vc[dst].copy_(vc[src])
         if not items:
-            self.last_phases = (time.perf_counter() - t0, 0.0, 0.0)
+            self.last_phases = (time.perf_counter() - t0, 0.0, 0.0, 0.0)
             return None
         ids: list[int] = []
         positions: list[int] = []
@@ -192,9 +192,10 @@ class ModelRunner:
                 rows.append(end - 1)
                 reqs.append(it.request)
         if not rows:
-            self.last_phases = (t1 - t0, time.perf_counter() - t1, 0.0)
+            self.last_phases = (t1 - t0, time.perf_counter() - t1, 0.0, 0.0)
             return SampleResult([], [], [])
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=dev)])
+        t3 = time.perf_counter()
         result = sample(logits, reqs)
-        self.last_phases = (t1 - t0, t2 - t1, time.perf_counter() - t2)  # the LM head counts as sampling
+        self.last_phases = (t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
         return result

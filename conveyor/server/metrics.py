@@ -85,7 +85,7 @@ class _EngineCollector(Collector):
                       s.step_seqs)
         phases = CounterMetricFamily("conveyor:engine_step_phase_seconds",
                                      "Seconds the engine spent in each part of its steps (schedule, prepare "
-                                     "inputs, forward, LM head + sampling, output update).",
+                                     "inputs, forward, LM head, sampling, output update).",
                                      labels=["model_name", "phase"])
         for phase, seconds in s.phase_seconds:
             phases.add_metric([self.model_name, phase], seconds)
