@@ -171,7 +171,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         config = lab_engine_config(args)
         engine = LLMEngine(config)
-        backend, cfg, max_len = EngineBackend(engine), engine.model_config, engine.max_model_len
+        backend, cfg, max_len = EngineBackend(engine, own_thread=False), engine.model_config, engine.max_model_len
         dtype, device, pid = engine.runner.dtype, engine.runner.device, None
         meta["strategy"] = config.scheduler
     else:
@@ -185,9 +185,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         dtype, pid = resolve_dtype(args.dtype, device), args.server_pid or find_listening_pid(args.url)
     requests = generate(spec, cfg.vocab_size, max_len)
     peak = measure_peak_flops(dtype, device, n=args.peak_matmul_size)
-    res = asyncio.run(run_once(backend, requests, load, flop_model=FlopModel.from_config(cfg), peak_flops=peak,
-                               slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, server_pid=pid,
-                               progress=args.progress, meta=meta))
+    make = lambda: run_once(backend, requests, load, flop_model=FlopModel.from_config(cfg), peak_flops=peak,
+                            slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, server_pid=pid,
+                            progress=args.progress, meta=meta)
+    if args.in_process:  # the engine steps on this thread, which loaded it (see run_on_this_thread)
+        from conveyor.bench.engine_backend import run_on_this_thread
+
+        res = run_on_this_thread(backend, make)
+    else:
+        res = asyncio.run(make())
     # a shared machine's peak varies: use the best of before and after the run
     set_peak(res, max(peak, measure_peak_flops(dtype, device, n=args.peak_matmul_size)))
     print(format_result(res))

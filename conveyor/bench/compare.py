@@ -9,7 +9,7 @@ table's load, which is all the "relative to no batching" column needs.
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import logging
 import platform
 import time
@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 import psutil
 import torch
 
-from conveyor.bench.engine_backend import EngineBackend, reset_engine, strategy_config
+from conveyor.bench.engine_backend import EngineBackend, reset_engine, run_on_this_thread, strategy_config
 from conveyor.bench.loadgen import LoadPattern
 from conveyor.bench.run import run_once
 from conveyor.bench.stats import FlopModel, measure_peak_flops
@@ -104,9 +104,11 @@ def run_compare(engine: LLMEngine, base: EngineConfig, spec: CompareSpec, progre
         label = f"[{k + 1}/{len(plan)}] {strategy} @ {load.label}"
         meta = {"label": label, "strategy": strategy, "request_rate": _rate_json(rate), "load": load.label,
                 "engine_config": _config_dict(cfg)}
-        res = asyncio.run(run_once(EngineBackend(engine), requests, load, flop_model=flop_model, peak_flops=peaks[-1],
-                                   slo_ttft_ms=spec.slo_ttft_ms, slo_tpot_ms=spec.slo_tpot_ms, progress=progress,
-                                   keep_steps=rate == spec.table_rate, meta=meta))
+        backend = EngineBackend(engine, own_thread=False)
+        res = run_on_this_thread(backend, functools.partial(
+            run_once, backend, requests, load, flop_model=flop_model, peak_flops=peaks[-1],
+            slo_ttft_ms=spec.slo_ttft_ms, slo_tpot_ms=spec.slo_tpot_ms, progress=progress,
+            keep_steps=rate == spec.table_rate, meta=meta))
         log.info("%s: %.1f output tok/s, TTFT p99 %.2fs, %d/%d ok", label, res["output_throughput"],
                  res["ttft_s"]["p99"] or float("nan"), res["completed"], res["num_requests"])
         runs.append(res)

@@ -1,7 +1,9 @@
-"""An in-process backend: the lab drives an `LLMEngine` on its own thread, like the server does.
+"""An in-process backend: the lab drives an `LLMEngine` on one thread while asyncio drives the load.
 
 The engine is not thread-safe, so every engine call happens on that one thread; the asyncio side
-only posts commands to an inbox. A request reaches the engine when the load generator sends it
+only posts commands to an inbox. `run_on_this_thread` makes that thread the one that loaded the
+model (the lab's main thread), with the load generator's event loop on a helper thread: see its
+docstring for why. A request reaches the engine when the load generator sends it
 (never earlier), and each of its tokens is stamped the moment the step that produced it returns:
 what a streaming client would see, minus the network. Because it runs in-process it also sees
 every step exactly (who was in the batch, KV blocks and slots in use), which the occupancy
@@ -15,6 +17,8 @@ import dataclasses
 import queue
 import threading
 import time
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 from conveyor.bench.loadgen import RequestRecord
 from conveyor.bench.stats import contiguous_waste, paged_waste
@@ -27,6 +31,7 @@ from conveyor.sampling_params import SamplingParams
 from conveyor.scheduler.core import Scheduler
 from conveyor.scheduler.policies import make_policy
 
+T = TypeVar("T")
 _IDLE_WAIT_S = 0.001  # a step scheduled nothing (a batcher is waiting): wait this long for news
 
 
@@ -51,8 +56,12 @@ def strategy_config(base: EngineConfig, scheduler: str, **overrides) -> EngineCo
 
 
 class EngineBackend:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, own_thread: bool = True) -> None:
+        """`own_thread`: start a thread for the engine loop; False: the caller runs `_run` itself
+        (`run_on_this_thread`)."""
         self.engine = engine
+        self._own_thread = own_thread
+        self._done = threading.Event()
         self.steps: list[StepStats] = []  # the non-empty steps, as the engine recorded them
         self._inbox: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -68,8 +77,9 @@ class EngineBackend:
         self.engine.step_stats.clear()
         self.engine.scheduler.input_ended = False
         self._prefix0 = (self.engine.kv.prefix_queries, self.engine.kv.prefix_hits)
-        self._thread = threading.Thread(target=self._run, name="bench-engine", daemon=True)
-        self._thread.start()
+        if self._own_thread:
+            self._thread = threading.Thread(target=self._run, name="bench-engine", daemon=True)
+            self._thread.start()
 
     async def send(self, rid: str, req: BenchRequest, rec: RequestRecord) -> None:
         fut = self._loop.create_future()
@@ -92,6 +102,8 @@ class EngineBackend:
         self._inbox.put(("stop",))
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 60)
+        else:
+            await asyncio.to_thread(self._done.wait, 60)
         self.engine.record_steps = False
         self.engine.scheduler.input_ended = False
         if self._fatal is not None:
@@ -130,6 +142,8 @@ class EngineBackend:
         except BaseException as e:  # surface it to every waiter instead of hanging them
             self._fatal = e
             self._abort_all(e)
+        finally:
+            self._done.set()
 
     def _handle(self, cmd: tuple) -> None:
         kind = cmd[0]
@@ -192,6 +206,36 @@ class EngineBackend:
                 pass
             self._resolve(fut, exc=RuntimeError(f"engine stopped: {exc}") if exc else None)
         self._live.clear()
+
+
+def run_on_this_thread(backend: EngineBackend, make_coro: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """Run the engine loop on the calling thread and `make_coro()` (the load) in an event loop on a
+    helper thread; return the coroutine's result.
+
+    Why not the other way round: OpenMP (libgomp) gives every thread that opens parallel regions
+    its own team of workers. Once the model was loaded (or the peak FLOP/s measured) on this thread
+    and then stepped on another, there were more OpenMP threads than cores and every step ran ~35%
+    slower (single-stream decode 27-29 ms instead of 20-21 ms on a 2-core AMD EPYC). So the thread
+    that loaded the model keeps all the compute.
+    """
+    assert not backend._own_thread, "make the backend with own_thread=False"
+    out: dict = {}
+
+    def load_side() -> None:
+        try:
+            out["result"] = asyncio.run(make_coro())
+        except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
+            out["error"] = e
+        finally:
+            backend._inbox.put(("stop",))  # the engine loop ends even if the load never got to close()
+
+    helper = threading.Thread(target=load_side, name="bench-load", daemon=True)
+    helper.start()
+    backend._run()
+    helper.join()
+    if "error" in out:
+        raise out["error"]
+    return out["result"]
 
 
 def engine_stats_from_steps(steps: list[StepStats], num_blocks: int, block_size: int, max_model_len: int,
