@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -34,16 +33,6 @@ LOADS = {
     "single stream": ["--concurrency", "1", "--num-prompts", "6", "--input-len", "256", "--output-len", "128",
                       "--range-ratio", "0"],
 }
-
-
-def cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def cpu_flags_of_interest() -> list[str]:
@@ -170,7 +159,8 @@ def main() -> int:
     work = args.out.parent / "runs"
     work.mkdir(exist_ok=True)
     log = open(work / "servers.log", "a")
-    results: dict = {"cpu": cpu_model(), "cpu_flags": cpu_flags_of_interest(), "nproc": os.cpu_count(),
+    from conveyor.bench.compare import cpu_name
+    results: dict = {"cpu": cpu_name(), "cpu_flags": cpu_flags_of_interest(), "nproc": os.cpu_count(),
                      "servers": {}}
     loads = [x.strip() for x in args.loads.split(",")]
     for name in ["conveyor"] + ([] if args.skip_vllm else ["vllm"]):

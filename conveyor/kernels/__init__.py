@@ -57,7 +57,7 @@ def load() -> ModuleType | None:
             return None
         sources = sorted(_SRC.glob("*.cpp"))
         h = hashlib.sha256()
-        for src in sources:
+        for src in sorted(_SRC.glob("*.cpp")) + sorted(_SRC.glob("*.h")):
             h.update(src.read_bytes())
         import torch
         h.update(" ".join(_FLAGS).encode())
@@ -66,8 +66,11 @@ def load() -> ModuleType | None:
         name = f"conveyor_cpu_{h.hexdigest()[:16]}"
         try:
             from torch.utils.cpp_extension import load as build
+            build_dir = _build_dir(name)
+            if not (build_dir / f"{name}.so").exists():
+                log.info("compiling the CPU kernels for this machine (once, about a minute; cached in %s)", build_dir)
             _cached = build(name=name, sources=[str(s) for s in sources], extra_cflags=_FLAGS,
-                            extra_ldflags=["-fopenmp"], build_directory=str(_build_dir(name)), verbose=False)
+                            extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
         except Exception as e:  # no compiler, missing headers, ...: the reference path still works
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             log.warning("compiled CPU kernels unavailable (%s): using the pure-torch reference path", first[:200])

@@ -5,6 +5,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "vec_math.h"
+
 #include <cmath>
 #include <algorithm>
 #include <cstdint>
@@ -12,46 +14,15 @@
 
 namespace {
 
-// exp on [-87, 88], vectorisable (no libm call): 2^(x log2 e) as 2^floor times a degree-6 polynomial
-// on the fraction; relative error ~2e-7, below one bf16 ulp and close to expf.
-inline float exp_approx(float x) {
-  x = std::min(std::max(x, -87.0f), 88.0f);
-  const float t = x * 1.44269504088896341f;
-  const float fi = std::floor(t);
-  const float f = t - fi;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(fi) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
 #ifdef __AVX512F__
-#include <immintrin.h>
 // 16 lanes of gv / (1 + exp_approx(-gv)), the same arithmetic as the scalar loop.
 inline __m512 silu16(__m512 gv) {
-  __m512 x = _mm512_sub_ps(_mm512_setzero_ps(), gv);
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, fi);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  const __m512 e = _mm512_scalef_ps(p, fi);
+  const __m512 e = conveyor::exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
   return _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
 }
 #endif
+
+using conveyor::exp_approx;
 
 inline float f32(float x) { return x; }
 inline float f32(at::BFloat16 x) { return static_cast<float>(x); }

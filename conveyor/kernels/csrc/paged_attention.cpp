@@ -17,6 +17,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "vec_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -42,45 +44,10 @@ inline float to_float(at::BFloat16 x) {
   return f;
 }
 
-// exp for x <= 0, vectorisable: 2^(x*log2 e) split into integer and fraction, degree-6 polynomial
-// on the fraction (relative error ~2e-7, like expf). Below -87 it returns 0.
-inline float fast_exp(float x) {
-  x = std::max(x, -87.0f);
-  float t = x * 1.44269504088896341f;
-  float fi = std::floor(t);
-  float f = t - fi;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  int32_t e = static_cast<int32_t>(fi) + 127;
-  uint32_t bits = static_cast<uint32_t>(e) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
+using conveyor::exp_approx;
 
 #ifdef __AVX512F__
-#include <immintrin.h>
-
-// exp for x <= 0 on 16 lanes: the same polynomial as fast_exp, 2^i applied with scalef.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, fi);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, fi);
-}
+using conveyor::exp16;
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {
@@ -112,7 +79,7 @@ inline void tile16(const float (*Q)[D], float (*acc)[D], float* m, float* l, con
     const __m512 s = _mm512_add_ps(sa[i], sb[i]);
     const float mx = vi > 0 ? std::max(m[i], _mm512_mask_reduce_max_ps(mask, s)) : m[i];
     const __m512 p = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(s, _mm512_set1_ps(mx))));
-    corr[i] = vi > 0 ? fast_exp(m[i] - mx) : 1.f;
+    corr[i] = vi > 0 ? exp_approx(m[i] - mx) : 1.f;
     l[i] = l[i] * corr[i] + _mm512_reduce_add_ps(p);
     m[i] = mx;
     _mm512_store_ps(pr[i], p);
@@ -225,8 +192,8 @@ void attend_item(const T* __restrict q, T* __restrict out, const T* __restrict k
       float mx = m[r];
       for (int j = 0; j < valid; ++j) mx = std::max(mx, s[j]);
       alignas(64) float pr[KV_TILE];
-      for (int j = 0; j < KV_TILE; ++j) pr[j] = fast_exp(s[j] - mx);
-      const float corr = fast_exp(m[r] - mx);
+      for (int j = 0; j < KV_TILE; ++j) pr[j] = exp_approx(s[j] - mx);
+      const float corr = exp_approx(m[r] - mx);
       float psum = 0.f;
       for (int j = 0; j < valid; ++j) psum += pr[j];
       l[r] = l[r] * corr + psum;
