@@ -82,3 +82,43 @@ def test_prefill_logits_match_hf(path, atol, request, hf_smol):
         got = runner.model.compute_logits(hidden)
     llm.engine.kv.pool.reset_cache()
     torch.testing.assert_close(got, hf_logits(hf_smol, ids), atol=atol, rtol=0)
+
+
+def test_outputs_do_not_change_in_a_crowd(monkeypatch):
+    """Batch invariance on the real model in the default dtype: 8 probes alone and inside 255 other
+    requests (chunked prefill, iteration scheduler): the same greedy tokens and top-1 logits, bit for bit."""
+    import random
+    from collections import defaultdict
+
+    from conveyor.config import EngineConfig
+    from conveyor.engine.llm_engine import LLMEngine
+    from conveyor.runner import model_runner
+    from tests.engine.test_batch_invariance import run
+
+    eng = LLMEngine(EngineConfig(model="smollm2-135m", max_model_len=1024, kv_cache_memory=1.0,
+                                 max_num_batched_tokens=512))
+    if not eng.runner.batch_invariant:
+        pytest.skip("the engine reports batch-invariant outputs: no, on this CPU")
+    rng = random.Random(5)
+    probes = {f"probe{i}": [rng.randrange(100, 49000) for _ in range(rng.randrange(20, 200))] for i in range(8)}
+    crowd = {f"crowd{i}": ([rng.randrange(100, 49000) for _ in range(rng.randrange(1, 200))], rng.randrange(1, 12))
+             for i in range(255)}
+    seen: dict[str, list[float]] = defaultdict(list)
+    real = model_runner.sample
+
+    def recording(logits, reqs):
+        for r, v in zip(reqs, logits.max(dim=-1).values.tolist()):
+            seen[r.request_id].append(v)
+        return real(logits, reqs)
+
+    monkeypatch.setattr(model_runner, "sample", recording)
+    alone = {}
+    for rid, ids in probes.items():
+        alone.update(run(eng, {rid: ids}, {}, False, {}))
+    alone_top1 = {rid: list(seen[rid]) for rid in probes}
+    seen.clear()
+    eng.kv.pool.reset_cache()
+    crowded = run(eng, probes, crowd, False, {})
+    for rid in probes:
+        assert crowded[rid] == alone[rid], rid
+        assert seen[rid] == alone_top1[rid], rid

@@ -201,6 +201,8 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg).float(), persistent=False)
+        self.rope_cos: torch.Tensor | None = None  # [max_position_embeddings, head_dim / 2], see build_rope_table
+        self.rope_sin: torch.Tensor | None = None
 
     def forward(
         self,
@@ -210,12 +212,27 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; the caller picks rows to turn into logits."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        cos, sin = freqs.cos(), freqs.sin()
+        if self.rope_cos is not None:
+            cos, sin = self.rope_cos.index_select(0, positions), self.rope_sin.index_select(0, positions)
+        else:
+            freqs = positions.float()[:, None] * self.inv_freq[None, :]
+            cos, sin = freqs.cos(), freqs.sin()
         x, residual = self.embed_tokens(input_ids), None
         for layer, (kc, vc) in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, cos, sin, kc, vc, meta)
         return self.norm(x, residual)[0]
+
+    def build_rope_table(self) -> None:
+        """cos/sin for every position, computed once (in HF's arithmetic: fp32 position x inv_freq).
+
+        A position then gets the same bits whatever step it is in. Computed per step instead, a large
+        step's `cos` is split across threads, and a split that falls mid-vector sends some elements
+        down the scalar path, which may round differently: a token's numerics would depend on its batch.
+        """
+        n = self.cfg.max_position_embeddings
+        pos = torch.arange(n, device=self.inv_freq.device, dtype=torch.float32)
+        freqs = pos[:, None] * self.inv_freq[None, :]
+        self.rope_cos, self.rope_sin = freqs.cos().contiguous(), freqs.sin().contiguous()
 
     def use_fused_ops(self, on: bool) -> None:
         """Switch RMSNorm, RoPE and SiLU-mul between the compiled kernels and the torch reference."""

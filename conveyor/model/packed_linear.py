@@ -13,6 +13,7 @@ import logging
 import os
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 log = logging.getLogger("conveyor.model")
@@ -33,12 +34,65 @@ class PackedLinear(nn.Module):
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
         self.bias = None if linear.bias is None else linear.bias.detach()
+        # rows are padded to a multiple of this; None: no padding found that makes rows batch-invariant.
+        # CONVEYOR_BATCH_INVARIANT=0 skips the check and the padding (only to measure what invariance costs).
+        self.row_multiple: int | None = 1
+        if os.environ.get("CONVEYOR_BATCH_INVARIANT", "1") != "0":
+            self.row_multiple = _row_multiple(self.in_features, self.out_features, linear.weight.dtype)
+
+    def _mm(self, x2: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [None], "")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed, self.bias,
-                                               "none", [None], "")
-        return y.view(*shape[:-1], self.out_features)
+        x2 = x.reshape(-1, self.in_features)
+        m = x2.shape[0]
+        p = self.row_multiple
+        if p is not None and p > 1 and m % p:
+            x2 = F.pad(x2, (0, 0, 0, p - m % p))
+        return self._mm(x2)[:m].view(*shape[:-1], self.out_features)
+
+    @property
+    def batch_invariant(self) -> bool:
+        return self.row_multiple is not None
+
+
+_ROW_MULTIPLE: dict[tuple[int, int, torch.dtype], int | None] = {}
+
+
+def _row_multiple(k: int, n: int, dtype: torch.dtype) -> int | None:
+    """The smallest row count multiple that makes this shape's rows batch-invariant (measured), or None.
+
+    oneDNN picks kernels by the number of rows M. For most shapes a row's result is the same for every
+    M, but not for all: for K=1536, N=576 in bf16 (SmolLM2's down projection, on an AMD EPYC) a row
+    computed alone (M=1) or as the last row of an odd M rounds differently from the same row among an
+    even number of rows. Padding M up to a multiple of 2 (one zero row) makes every row take the main
+    path. Other CPUs (AMX tiles of 16 rows, say) may need a larger multiple, so this measures, once per
+    shape with random data on the machine it runs on: for each candidate multiple, every row alone and
+    every prefix of a 64-row batch, padded, must match the full 64-row call bit for bit.
+    """
+    key = (k, n, dtype)
+    if key not in _ROW_MULTIPLE:
+        g = torch.Generator().manual_seed(0)
+        packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k, generator=g).to(dtype), None)
+        x = torch.randn(64, k, generator=g).to(dtype)
+        mm = lambda a: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [None], "")
+        full = mm(x)
+
+        def padded(a: torch.Tensor, p: int) -> torch.Tensor:
+            m = a.shape[0]
+            return mm(F.pad(a, (0, 0, 0, (p - m % p) % p)))[:m]
+
+        _ROW_MULTIPLE[key] = None
+        for p in (1, 2, 4, 8, 16, 32, 64):
+            alone = torch.cat([padded(x[i:i + 1], p) for i in range(x.shape[0])])
+            if torch.equal(alone, full) and all(torch.equal(padded(x[:m], p), full[:m])
+                                                for m in (2, 3, 5, 7, 9, 15, 17, 31, 33, 63)):
+                _ROW_MULTIPLE[key] = p
+                break
+        if _ROW_MULTIPLE[key] is None:
+            log.warning("linear %dx%d (%s): no row padding makes oneDNN's results batch-invariant here", k, n, dtype)
+    return _ROW_MULTIPLE[key]
 
 
 def pack_linears(model: nn.Module) -> int:

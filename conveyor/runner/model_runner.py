@@ -18,7 +18,7 @@ import torch
 from conveyor.config import EngineConfig
 from conveyor.model.attention import build_metadata, cache_shapes, choose_backend
 from conveyor.model.llama import LlamaModel, ModelConfig, rope_inv_freq
-from conveyor.model.packed_linear import pack_linears, packing_available
+from conveyor.model.packed_linear import PackedLinear, pack_linears, packing_available
 from conveyor.request import Request
 from conveyor.runner.sampler import SampleResult, sample
 
@@ -90,6 +90,7 @@ class ModelRunner:
         model.inv_freq = rope_inv_freq(cfg).float()
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.model.inv_freq = self.model.inv_freq.float()
+        self.model.build_rope_table()
         # "kernel": compiled attention + fused RMSNorm/RoPE/SiLU (CPU); "torch": the reference everywhere
         requested = config.extra.get("attention", config.attention_backend)
         self.attention_backend = choose_backend(requested, self.device, self.dtype, cfg.num_heads,
@@ -98,8 +99,14 @@ class ModelRunner:
         self.packed_linears = 0
         if config.extra.get("packed_linear", True) and packing_available(self.device, self.dtype):
             self.packed_linears = pack_linears(self.model)
-        log.info("runner: %s/%s, attention %s, %d linear layers prepacked for oneDNN, %d torch threads",
-                 self.device, self.dtype, self.attention_backend, self.packed_linears, torch.get_num_threads())
+        # every op on the compiled CPU path gives a token a result that depends only on its own request
+        # (tests/engine/test_batch_invariance.py); the torch reference path (CUDA, no compiler) does not
+        self.batch_invariant = (self.attention_backend == "kernel" and self.packed_linears > 0
+                                and all(m.batch_invariant for m in self.model.modules()
+                                        if isinstance(m, PackedLinear)))
+        log.info("runner: %s/%s, attention %s, %d linear layers prepacked for oneDNN, %d torch threads, "
+                 "batch-invariant outputs: %s", self.device, self.dtype, self.attention_backend, self.packed_linears,
+                 torch.get_num_threads(), "yes" if self.batch_invariant else "no")
         self.num_blocks = self._num_blocks(config)
         self._pool_buffers: list[mmap.mmap] = []
         k_shape, v_shape = cache_shapes(self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)

@@ -1,0 +1,172 @@
+"""Batch invariance: a request's tokens and logits do not depend on what else runs beside it.
+
+8 probe prompts, each generated alone (iteration scheduler, whole prompts, no prefix cache), are the
+reference. Then the same probes run inside a crowd of 255 other requests of random lengths, under
+every scheduler, with a token budget of 8192 (whole prompts) and of 64 (prompts chunked, decodes and
+chunks mixed), with prefix-cache hits, and with preemption forced by a small KV pool. Greedy tokens,
+seeded samples at temperature 0.8 and the top-1 logit of every step must be identical, bit for bit.
+
+The model is a small random Llama with head_dim 64 and GQA 3 (SmolLM2's head shape), so the fast
+CPU path (compiled attention, fused ops, prepacked oneDNN linears) is what runs, in the default dtype.
+`tests/test_smollm2.py` repeats the core of it on the real model.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+
+import pytest
+import torch
+
+from conveyor.config import EngineConfig
+from conveyor.engine.llm_engine import LLMEngine
+from conveyor.runner import model_runner
+from conveyor.sampling_params import SamplingParams
+from tests.conftest import build_tiny_llama
+
+PROBES, CROWD, PROBE_TOKENS = 8, 255, 64
+SHARED_PREFIX = 48  # tokens every probe starts with (three 16-token blocks: cacheable)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_llama(tmp_path_factory.mktemp("invariance"), hidden_size=192, intermediate_size=384,
+                            num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="module")
+def workload(model_dir):
+    rng = random.Random(1234)
+    vocab = 300
+    prefix = [rng.randrange(10, vocab) for _ in range(SHARED_PREFIX)]
+    probes = {f"probe{i}": prefix + [rng.randrange(10, vocab) for _ in range(rng.randrange(5, 60))]
+              for i in range(PROBES)}
+    crowd = {}
+    for i in range(CROWD):  # some of the crowd shares the probes' prefix and arrives first: cache hits
+        head = prefix if i % 8 == 0 else []
+        crowd[f"crowd{i}"] = (head + [rng.randrange(10, vocab) for _ in range(rng.randrange(1, 150))],
+                              rng.randrange(1, PROBE_TOKENS + 1))
+    return probes, crowd
+
+
+def engine(model_dir, **kw) -> LLMEngine:
+    cfg = dict(model=str(model_dir), device="cpu", max_model_len=512, num_kv_blocks=4096, block_size=16)
+    cfg.update(kw)
+    return LLMEngine(EngineConfig(**cfg))
+
+
+def probe_params(rid: str, sampled: bool) -> SamplingParams:
+    if sampled:
+        return SamplingParams(max_tokens=PROBE_TOKENS, temperature=0.8, seed=1000 + int(rid[5:]), ignore_eos=True)
+    return SamplingParams(max_tokens=PROBE_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def run(eng: LLMEngine, probes: dict, crowd: dict, sampled: bool, top1: dict) -> dict[str, list[int]]:
+    """Queue the crowd with the probes spread through it, run to the end; {request id: tokens}."""
+    order = list(crowd)
+    rng = random.Random(99)
+    for rid in probes:
+        order.insert(rng.randrange(len(order) + 1), rid)
+    for rid in order:
+        if rid in probes:
+            eng.add_request(probes[rid], probe_params(rid, sampled), request_id=rid)
+        else:
+            ids, n = crowd[rid]
+            eng.add_request(ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), request_id=rid)
+    eng.scheduler.input_ended = True  # offline: static batches may flush, as LLM.generate does
+    out: dict[str, list[int]] = defaultdict(list)
+    top1.clear()
+    while eng.has_unfinished_requests():
+        for d in eng.step():
+            out[d.group_id].extend(d.new_token_ids)
+    eng.scheduler.input_ended = False
+    return {rid: out[rid] for rid in probes}
+
+
+@pytest.fixture()
+def top1(monkeypatch):
+    """Records each request's top-1 logit at every sampled step, as the sampler saw it."""
+    seen: dict[str, list[float]] = defaultdict(list)
+    real = model_runner.sample
+
+    def recording(logits: torch.Tensor, reqs):
+        best = logits.max(dim=-1).values.tolist()
+        for r, v in zip(reqs, best):
+            seen[r.request_id].append(v)
+        return real(logits, reqs)
+
+    monkeypatch.setattr(model_runner, "sample", recording)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, workload):
+    """Each probe alone in an otherwise empty engine: greedy and seeded-sampled tokens, top-1 logits."""
+    probes, _ = workload
+    eng = engine(model_dir, enable_prefix_caching=False)
+    assert eng.runner.attention_backend == "kernel"
+    if not eng.runner.batch_invariant:  # a CPU where oneDNN could not be made row-invariant: said at startup
+        pytest.skip("the engine reports batch-invariant outputs: no, on this CPU")
+    real = model_runner.sample
+    result = {}
+    for sampled in (False, True):
+        seen: dict[str, list[float]] = defaultdict(list)
+
+        def recording(logits, reqs, seen=seen):
+            for r, v in zip(reqs, logits.max(dim=-1).values.tolist()):
+                seen[r.request_id].append(v)
+            return real(logits, reqs)
+
+        model_runner.sample = recording
+        try:
+            tokens = {}
+            for rid in probes:
+                tokens.update(run(eng, {rid: probes[rid]}, {}, sampled, {}))
+        finally:
+            model_runner.sample = real
+        result[sampled] = (tokens, dict(seen))
+    return result
+
+
+def check(reference, sampled: bool, got: dict[str, list[int]], top1: dict[str, list[float]]) -> None:
+    want_tokens, want_top1 = reference[sampled]
+    for rid, tokens in want_tokens.items():
+        assert len(tokens) == PROBE_TOKENS
+        first = next((i for i, (a, b) in enumerate(zip(got[rid], tokens)) if a != b), None)
+        assert got[rid] == tokens, f"{rid}: tokens diverge at {first}"
+        assert top1[rid] == want_top1[rid], f"{rid}: top-1 logits differ"
+
+
+@pytest.mark.parametrize("budget", [8192, 64])
+@pytest.mark.parametrize("scheduler", ["static", "dynamic", "continuous", "iteration"])
+def test_greedy_probes_unchanged_in_a_crowd(model_dir, workload, reference, top1, scheduler, budget):
+    probes, crowd = workload
+    eng = engine(model_dir, scheduler=scheduler, max_num_batched_tokens=budget)
+    got = run(eng, probes, crowd, False, top1)
+    check(reference, False, got, top1)
+
+
+@pytest.mark.parametrize("scheduler", ["static", "dynamic", "continuous", "iteration"])
+def test_seeded_samples_unchanged_in_a_crowd(model_dir, workload, reference, top1, scheduler):
+    probes, crowd = workload
+    eng = engine(model_dir, scheduler=scheduler, max_num_batched_tokens=64)
+    got = run(eng, probes, crowd, True, top1)
+    check(reference, True, got, top1)
+
+
+def test_prefix_cache_hits_change_nothing(model_dir, workload, reference, top1):
+    probes, crowd = workload
+    eng = engine(model_dir, enable_prefix_caching=True)
+    got = run(eng, probes, crowd, False, top1)
+    assert eng.kv.prefix_hits >= PROBES * SHARED_PREFIX  # the probes (at least) hit the cached prefix
+    check(reference, False, got, top1)
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_preemption_changes_nothing(model_dir, workload, reference, top1, sampled):
+    probes, crowd = workload
+    eng = engine(model_dir, num_kv_blocks=160, max_num_batched_tokens=256)
+    got = run(eng, probes, crowd, sampled, top1)
+    assert eng.scheduler.num_preemptions > 0, "the small pool was meant to force preemption"
+    check(reference, sampled, got, top1)
