@@ -24,7 +24,7 @@ from conveyor.bench.loadgen import RequestRecord
 from conveyor.bench.stats import contiguous_waste, paged_waste
 from conveyor.bench.workloads import BenchRequest
 from conveyor.config import EngineConfig
-from conveyor.engine.llm_engine import LLMEngine, StepStats
+from conveyor.engine.llm_engine import STEP_PHASES, LLMEngine, StepStats
 from conveyor.kv_cache import KVCacheManager
 from conveyor.request import Request
 from conveyor.sampling_params import SamplingParams
@@ -253,10 +253,12 @@ def engine_stats_from_steps(steps: list[StepStats], num_blocks: int, block_size:
     paged = [paged_waste(s.kv_used_slots, s.kv_used_blocks, block_size) for s in steps if s.kv_used_blocks]
     contig = [contiguous_waste(s.logical_tokens, s.num_running, max_model_len) for s in steps if s.num_running]
     busy = sum(s.end - s.start for s in steps)
+    phases = {k: sum((s.phases or {}).get(k, 0.0) for s in steps) for k in STEP_PHASES}
     return {
         "source": "in-process",
         "num_steps": len(steps),
         "busy_s": busy,
+        "step_phase_s": phases,  # seconds per part of the step (schedule, prepare, forward, ...), summed
         "mean_batch_size": mean([s.num_seqs for s in steps]),
         "mean_step_tokens": mean([s.num_tokens for s in steps]),
         "mean_kv_usage": mean([s.kv_used_blocks / num_blocks for s in steps]),

@@ -128,6 +128,11 @@ def format_result(res: dict) -> str:
          f"{_num(_g(util.get('achieved_flops_per_s')))} / {_num(_g(util.get('peak_flops_per_s')))}"),
         ("MFU", _pct(util.get("mfu"))),
     ]
+    phases = eng.get("step_phase_s")
+    if phases and sum(phases.values()) > 0:
+        total = sum(phases.values())
+        split = " / ".join(f"{100 * v / total:.0f}%" for v in phases.values())
+        rows.append(("Step time: " + " / ".join(phases), split))
     if res["errors"]:
         rows.append(("Errors", ", ".join(f"{k}: {v}" for k, v in res["errors"].items())))
     width = max(len(k) for k, _ in rows)

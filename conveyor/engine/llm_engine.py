@@ -47,7 +47,6 @@ class StepStats:
     logical_tokens: int = 0  # running requests' context tokens, a shared prefix counted per request
     phases: dict[str, float] | None = None  # seconds in each of STEP_PHASES
 
-
     @property
     def end(self) -> float:
         return self.start + self.duration

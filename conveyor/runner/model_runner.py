@@ -92,8 +92,7 @@ class ModelRunner:
         self.model.inv_freq = self.model.inv_freq.float()
         self.model.build_rope_table()
         # "kernel": compiled attention + fused RMSNorm/RoPE/SiLU (CPU); "torch": the reference everywhere
-        requested = config.extra.get("attention", config.attention_backend)
-        self.attention_backend = choose_backend(requested, self.device, self.dtype, cfg.num_heads,
+        self.attention_backend = choose_backend(config.attention_backend, self.device, self.dtype, cfg.num_heads,
                                                 cfg.num_kv_heads, cfg.head_dim)
         self.model.use_fused_ops(self.attention_backend == "kernel")
         self.packed_linears = 0
