@@ -171,7 +171,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         config = lab_engine_config(args)
         engine = LLMEngine(config)
-        backend, cfg, max_len = EngineBackend(engine, own_thread=False), engine.model_config, engine.max_model_len
+        backend, cfg, max_len = EngineBackend(engine), engine.model_config, engine.max_model_len
         dtype, device, pid = engine.runner.dtype, engine.runner.device, None
         meta["strategy"] = config.scheduler
     else:

@@ -104,7 +104,7 @@ def run_compare(engine: LLMEngine, base: EngineConfig, spec: CompareSpec, progre
         label = f"[{k + 1}/{len(plan)}] {strategy} @ {load.label}"
         meta = {"label": label, "strategy": strategy, "request_rate": _rate_json(rate), "load": load.label,
                 "engine_config": _config_dict(cfg)}
-        backend = EngineBackend(engine, own_thread=False)
+        backend = EngineBackend(engine)
         res = run_on_this_thread(backend, functools.partial(
             run_once, backend, requests, load, flop_model=flop_model, peak_flops=peaks[-1],
             slo_ttft_ms=spec.slo_ttft_ms, slo_tpot_ms=spec.slo_tpot_ms, progress=progress,

@@ -56,15 +56,12 @@ def strategy_config(base: EngineConfig, scheduler: str, **overrides) -> EngineCo
 
 
 class EngineBackend:
-    def __init__(self, engine: LLMEngine, own_thread: bool = True) -> None:
-        """`own_thread`: start a thread for the engine loop; False: the caller runs `_run` itself
-        (`run_on_this_thread`)."""
+    def __init__(self, engine: LLMEngine) -> None:
+        """Driven by `run_on_this_thread`, which runs the engine loop (`_run`) on the calling thread."""
         self.engine = engine
-        self._own_thread = own_thread
         self._done = threading.Event()
         self.steps: list[StepStats] = []  # the non-empty steps, as the engine recorded them
         self._inbox: queue.Queue = queue.Queue()
-        self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._live: dict[str, tuple[RequestRecord, asyncio.Future, Request]] = {}
         self._fatal: BaseException | None = None
@@ -77,9 +74,6 @@ class EngineBackend:
         self.engine.step_stats.clear()
         self.engine.scheduler.input_ended = False
         self._prefix0 = (self.engine.kv.prefix_queries, self.engine.kv.prefix_hits)
-        if self._own_thread:
-            self._thread = threading.Thread(target=self._run, name="bench-engine", daemon=True)
-            self._thread.start()
 
     async def send(self, rid: str, req: BenchRequest, rec: RequestRecord) -> None:
         fut = self._loop.create_future()
@@ -100,10 +94,7 @@ class EngineBackend:
 
     async def close(self) -> None:
         self._inbox.put(("stop",))
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 60)
-        else:
-            await asyncio.to_thread(self._done.wait, 60)
+        await asyncio.to_thread(self._done.wait, 60)
         self.engine.record_steps = False
         self.engine.scheduler.input_ended = False
         if self._fatal is not None:
@@ -218,7 +209,6 @@ def run_on_this_thread(backend: EngineBackend, make_coro: Callable[[], Coroutine
     slower (single-stream decode 27-29 ms instead of 20-21 ms on a 2-core AMD EPYC). So the thread
     that loaded the model keeps all the compute.
     """
-    assert not backend._own_thread, "make the backend with own_thread=False"
     out: dict = {}
 
     def load_side() -> None:

@@ -57,7 +57,7 @@ def load() -> ModuleType | None:
             return None
         sources = sorted(_SRC.glob("*.cpp"))
         h = hashlib.sha256()
-        for src in sorted(_SRC.glob("*.cpp")) + sorted(_SRC.glob("*.h")):
+        for src in sources + sorted(_SRC.glob("*.h")):
             h.update(src.read_bytes())
         import torch
         h.update(" ".join(_FLAGS).encode())

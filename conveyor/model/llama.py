@@ -201,7 +201,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg).float(), persistent=False)
-        self.rope_cos: torch.Tensor | None = None  # [max_position_embeddings, head_dim / 2], see build_rope_table
+        self.rope_cos: torch.Tensor | None = None  # [max_position_embeddings, head_dim / 2]: build_rope_table
         self.rope_sin: torch.Tensor | None = None
 
     def forward(
@@ -212,11 +212,7 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; the caller picks rows to turn into logits."""
-        if self.rope_cos is not None:
-            cos, sin = self.rope_cos.index_select(0, positions), self.rope_sin.index_select(0, positions)
-        else:
-            freqs = positions.float()[:, None] * self.inv_freq[None, :]
-            cos, sin = freqs.cos(), freqs.sin()
+        cos, sin = self.rope_cos.index_select(0, positions), self.rope_sin.index_select(0, positions)
         x, residual = self.embed_tokens(input_ids), None
         for layer, (kc, vc) in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, cos, sin, kc, vc, meta)
