@@ -39,6 +39,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=["auto", "kernel", "torch"],
                    help="auto: the compiled CPU kernels where they apply (CPU, fp32/bf16), else pure torch; "
                         "torch: the reference path everywhere (default: auto)")
+    g.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"],
+                   help="weight-only quantization (CPU): int8 per channel, int4 in groups of 32; a GGUF's "
+                        "Q4_0/Q4_1 weights are kept as shipped with int4 (default: none)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                   help="KV cache storage: auto = the model's dtype; int8 = one scale per token and head, "
+                        "about half the memory per token (default: auto)")
     g.add_argument("--threads", type=int, default=None,
                    help="torch compute threads (default: one per physical core)")
 
@@ -51,7 +57,8 @@ def engine_config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
         scheduler=args.scheduler, batch_size=args.batch_size, batch_timeout_ms=args.batch_timeout_ms,
         max_num_partial_prefills=args.max_num_partial_prefills,
         enable_prefix_caching=args.enable_prefix_caching, admission_reserve=args.admission_reserve,
-        seed=args.seed, attention_backend=args.attention_backend, threads=args.threads, **extra,
+        seed=args.seed, attention_backend=args.attention_backend, threads=args.threads,
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, **extra,
     )
 
 

@@ -29,6 +29,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     admission_reserve: bool = False  # admit only if prompt + remaining output fits (mini-sglang style)
     seed: int = 0
+    quantization: str | None = None  # None | int8 | int4: weight-only (conveyor/model/quantization.py)
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8
     attention_backend: str = "auto"  # auto | kernel | torch (see conveyor/model/attention.py)
     threads: int | None = None  # torch compute threads; None: one per physical core (CPU)
     served_model_name: str | None = None
@@ -52,6 +54,10 @@ class EngineConfig:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.attention_backend not in ("auto", "kernel", "torch"):
             raise ValueError(f"attention_backend must be auto, kernel or torch, got {self.attention_backend!r}")
+        if self.quantization not in (None, "int8", "int4"):
+            raise ValueError(f"quantization must be int8 or int4 (or unset), got {self.quantization!r}")
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"kv_cache_dtype must be auto or int8, got {self.kv_cache_dtype!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

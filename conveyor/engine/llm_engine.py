@@ -56,11 +56,11 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         t0 = time.perf_counter()
-        ckpt = load_checkpoint(config.model, config.tokenizer)
+        ckpt = load_checkpoint(config.model, config.tokenizer, config.quantization)
         self.tokenizer = ckpt.tokenizer
         self.model_config = ckpt.config
         self.model_name = config.served_model_name or config.model
-        self.runner = ModelRunner(ckpt.config, ckpt.tensors, config)
+        self.runner = ModelRunner(ckpt.config, ckpt.tensors, config, ckpt.quantized)
         pool_tokens = self.runner.num_blocks * config.block_size
         model_ctx = ckpt.config.max_position_embeddings
         if config.max_model_len is not None:

@@ -141,7 +141,8 @@ class Attention(nn.Module):
 
     fused = False  # set by the runner: RoPE in place with the compiled kernel
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x, cos, sin, cache: tuple[torch.Tensor, ...], meta: AttentionMetadata) -> torch.Tensor:
+        """cache: this layer's (k_cache, v_cache), or (k, v, k_scale, v_scale) for an int8 cache."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
         q, k, v = q.view(t, self.h, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
@@ -151,7 +152,7 @@ class Attention(nn.Module):
             ops.rope_(k, cos, sin)
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        o = paged_attention(q, k, v, cache[0], cache[1], meta, self.scale, *cache[2:])
         return self.o_proj(o.reshape(t, self.h * self.d))
 
 
@@ -180,14 +181,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, residual, cos, sin, k_cache, v_cache, meta):
+    def forward(self, x, residual, cos, sin, cache, meta):
         """Returns (this layer's MLP output, the residual stream before it is added)."""
         if residual is None:
             residual = x
             x, _ = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos, sin, k_cache, v_cache, meta)
+        x = self.self_attn(x, cos, sin, cache, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -208,14 +209,14 @@ class LlamaModel(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[tuple[torch.Tensor, ...]],  # per layer (k, v) or, int8, (k, v, k_scale, v_scale)
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; the caller picks rows to turn into logits."""
         cos, sin = self.rope_cos.index_select(0, positions), self.rope_sin.index_select(0, positions)
         x, residual = self.embed_tokens(input_ids), None
-        for layer, (kc, vc) in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, cos, sin, kc, vc, meta)
+        for layer, cache in zip(self.layers, kv_caches):
+            x, residual = layer(x, residual, cos, sin, cache, meta)
         return self.norm(x, residual)[0]
 
     def build_rope_table(self) -> None:
@@ -238,6 +239,32 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def fuse_quantized(self, quantized: dict) -> dict:
+        """Map a checkpoint's quantized weights (HF names -> QuantizedWeight) onto this model's linear
+        modules, fusing q/k/v and gate/up as `load_hf_state_dict` does; a module any part of which is
+        missing is left out (it is quantized from its float weight instead)."""
+        from conveyor.model.quantization import QuantizedWeight
+
+        out = {}
+        head = quantized.get("lm_head.weight")
+        if head is None and self.cfg.tie_word_embeddings:
+            head = quantized.get("model.embed_tokens.weight")
+        if head is not None:
+            out["lm_head"] = head
+        fused = {"self_attn.qkv_proj": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+                 "self_attn.o_proj": ["self_attn.o_proj"],
+                 "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"],
+                 "mlp.down_proj": ["mlp.down_proj"]}
+        for i in range(self.cfg.num_layers):
+            for mod, parts in fused.items():
+                ws = [quantized.get(f"model.layers.{i}.{p}.weight") for p in parts]
+                if all(w is not None for w in ws):
+                    try:
+                        out[f"layers.{i}.{mod}"] = QuantizedWeight.cat(ws)
+                    except ValueError:  # parts quantized differently: quantize the fused float weight
+                        pass
+        return out
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         """Take weights named as in HF's LlamaForCausalLM, fusing q/k/v and gate/up."""

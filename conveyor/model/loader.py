@@ -11,7 +11,7 @@ import importlib.util
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +34,8 @@ class LoadedCheckpoint:
     tensors: dict[str, torch.Tensor]  # HF names
     tokenizer: object  # a transformers tokenizer
     path: str
+    # weights the file holds already quantized, kept as shipped (HF names; GGUF Q4_0/Q4_1, when asked)
+    quantized: dict = field(default_factory=dict)
 
 
 def cache_dir() -> Path:
@@ -82,17 +84,22 @@ def _download(repo_id: str) -> Path:
     return Path(path)
 
 
-def load_checkpoint(model: str, tokenizer: str | None = None) -> LoadedCheckpoint:
+def load_checkpoint(model: str, tokenizer: str | None = None, quantization: str | None = None) -> LoadedCheckpoint:
+    """`quantization="int4"` also keeps a GGUF's Q4_0/Q4_1 weights as they are (`LoadedCheckpoint.quantized`)."""
     kind, path = resolve(model)
+    quantized = {}
     if kind == "gguf":
         cfg, tensors = _load_gguf(path)
         tok = _gguf_tokenizer(path) if tokenizer is None else _hf_tokenizer(tokenizer)
+        if quantization == "int4":
+            quantized = _gguf_quantized(path, cfg)
     else:
         cfg, tensors = _load_hf_dir(path)
         tok = _hf_tokenizer(tokenizer or str(path))
     if not cfg.eos_token_ids and tok.eos_token_id is not None:
         cfg.eos_token_ids = [tok.eos_token_id]
-    return LoadedCheckpoint(name=model, config=cfg, tensors=tensors, tokenizer=tok, path=str(path))
+    return LoadedCheckpoint(name=model, config=cfg, tensors=tensors, tokenizer=tok, path=str(path),
+                            quantized=quantized)
 
 
 def _hf_tokenizer(path: str):
@@ -177,6 +184,49 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     return cfg, tensors
 
 
+GGUF_KEPT_TYPES = ("Q4_0", "Q4_1")  # map exactly onto the int4 kernel (conveyor/model/quantization.py)
+
+
+def _gguf_name(name: str) -> str | None:
+    """HF name of a GGUF tensor, None for tensors that are recomputed (rope_freqs)."""
+    parts = name.split(".")
+    if parts[0] == "blk":
+        layer, base, kind = parts[1], parts[2], parts[3]
+        if base not in _GGUF_NAMES:
+            raise ValueError(f"GGUF tensor {name!r} is not understood")
+        return f"model.layers.{layer}.{_GGUF_NAMES[base]}.{kind}"
+    if parts[0] not in _GGUF_NAMES:
+        if parts[0] == "rope_freqs":
+            return None  # llama3 rope factors, recomputed from the config
+        raise ValueError(f"GGUF tensor {name!r} is not understood")
+    return f"{_GGUF_NAMES[parts[0]]}.{parts[1]}"
+
+
+def _gguf_quantized(path: Path, cfg: ModelConfig) -> dict:
+    """The GGUF's Q4_0/Q4_1 2-D weights as QuantizedWeight (HF names, q/k rows in HF's RoPE order)."""
+    import gguf
+
+    from conveyor.model.quantization import QuantizedWeight
+
+    reader = gguf.GGUFReader(str(path))
+    out = {}
+    for t in reader.tensors:
+        qtype = t.tensor_type.name
+        if qtype not in GGUF_KEPT_TYPES or len(t.shape) != 2:
+            continue
+        name = _gguf_name(t.name)
+        if name is None:
+            continue
+        cols, rows = (int(x) for x in t.shape)
+        qw = QuantizedWeight.from_gguf(np.asarray(t.data), qtype, rows, cols)
+        if name.endswith("self_attn.q_proj.weight"):
+            qw = qw.permute_rows(lambda a: _unpermute(a, cfg.num_heads))
+        elif name.endswith("self_attn.k_proj.weight"):
+            qw = qw.permute_rows(lambda a: _unpermute(a, cfg.num_kv_heads))
+        out[name] = qw
+    return out
+
+
 def _dequantize_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     import gguf
 
@@ -193,22 +243,13 @@ def _dequantize_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     for t in reader.tensors:
         arr = gguf.quants.dequantize(t.data, t.tensor_type)
         arr = np.asarray(arr, dtype=np.float32).reshape(tuple(int(x) for x in reversed(t.shape)))
-        parts = t.name.split(".")
-        if parts[0] == "blk":
-            layer, base, kind = parts[1], parts[2], parts[3]
-            if base == "attn_q" and kind == "weight":
-                arr = _unpermute(arr, heads)
-            elif base == "attn_k" and kind == "weight":
-                arr = _unpermute(arr, kv_heads)
-            if base not in _GGUF_NAMES:
-                raise ValueError(f"GGUF tensor {t.name!r} is not understood")
-            name = f"model.layers.{layer}.{_GGUF_NAMES[base]}.{kind}"
-        else:
-            if parts[0] not in _GGUF_NAMES:
-                if parts[0] == "rope_freqs":
-                    continue  # llama3 rope factors, recomputed from the config
-                raise ValueError(f"GGUF tensor {t.name!r} is not understood")
-            name = f"{_GGUF_NAMES[parts[0]]}.{parts[1]}"
+        name = _gguf_name(t.name)
+        if name is None:
+            continue
+        if name.endswith("self_attn.q_proj.weight"):
+            arr = _unpermute(arr, heads)
+        elif name.endswith("self_attn.k_proj.weight"):
+            arr = _unpermute(arr, kv_heads)
         tensors[name] = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
     vocab = tensors["model.embed_tokens.weight"].shape[0]
     eos = _field(reader, "tokenizer.ggml.eos_token_id")

@@ -16,9 +16,16 @@ import psutil
 import torch
 
 from conveyor.config import EngineConfig
-from conveyor.model.attention import build_metadata, cache_shapes, choose_backend
+from conveyor.model.attention import KV_SCALE_DTYPE, build_metadata, cache_shapes, choose_backend, scale_shape
 from conveyor.model.llama import LlamaModel, ModelConfig, rope_inv_freq
 from conveyor.model.packed_linear import PackedLinear, pack_linears, packing_available
+from conveyor.model.quantization import (
+    QuantizedLinear,
+    dense_rows_note,
+    quantization_available,
+    quantize_model,
+    tune_dense_threshold,
+)
 from conveyor.request import Request
 from conveyor.runner.sampler import SampleResult, sample
 
@@ -77,7 +84,8 @@ class ScheduledItem:
 
 
 class ModelRunner:
-    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], config: EngineConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], config: EngineConfig,
+                 quantized: dict | None = None) -> None:
         self.model_config = cfg
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
@@ -86,6 +94,7 @@ class ModelRunner:
         self.block_size = config.block_size
         with torch.device("meta"):
             model = LlamaModel(cfg)
+        prequantized = model.fuse_quantized(quantized) if quantized and config.quantization else {}
         model.load_hf_state_dict(tensors)
         model.inv_freq = rope_inv_freq(cfg).float()
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
@@ -95,34 +104,60 @@ class ModelRunner:
         self.attention_backend = choose_backend(config.attention_backend, self.device, self.dtype, cfg.num_heads,
                                                 cfg.num_kv_heads, cfg.head_dim)
         self.model.use_fused_ops(self.attention_backend == "kernel")
+        self.quantization = config.quantization
+        self.weight_dtype = config.quantization or str(self.dtype).removeprefix("torch.")
+        if config.quantization:
+            why = quantization_available(self.device, self.dtype)
+            if why is not None:
+                raise ValueError(f"--quantization {config.quantization} is not available: {why}")
+            counts = quantize_model(self.model, config.quantization, self.dtype, prequantized)
+            threshold = tune_dense_threshold(self.model, config.max_num_batched_tokens)
+            log.info("weights: %s (%d linear layers, %d kept as the checkpoint ships them); %s",
+                     config.quantization, counts["quantized"], counts["from_checkpoint"], dense_rows_note(threshold))
         self.packed_linears = 0
         if config.extra.get("packed_linear", True) and packing_available(self.device, self.dtype):
             self.packed_linears = pack_linears(self.model)
         # every op on the compiled CPU path gives a token a result that depends only on its own request
         # (tests/engine/test_batch_invariance.py); the torch reference path (CUDA, no compiler) does not
-        self.batch_invariant = (self.attention_backend == "kernel" and self.packed_linears > 0
-                                and all(m.batch_invariant for m in self.model.modules()
-                                        if isinstance(m, PackedLinear)))
-        log.info("runner: %s/%s, attention %s, %d linear layers prepacked for oneDNN, %d torch threads, "
-                 "batch-invariant outputs: %s", self.device, self.dtype, self.attention_backend, self.packed_linears,
-                 torch.get_num_threads(), "yes" if self.batch_invariant else "no")
+        linears = [m for m in self.model.modules() if isinstance(m, (PackedLinear, QuantizedLinear))]
+        self.batch_invariant = (self.attention_backend == "kernel" and bool(linears)
+                                and all(m.batch_invariant for m in linears))
+        log.info("runner: %s/%s, weights %s, attention %s, %d linear layers prepacked for oneDNN, %d torch threads, "
+                 "batch-invariant outputs: %s", self.device, self.dtype, self.weight_dtype, self.attention_backend,
+                 self.packed_linears, torch.get_num_threads(), "yes" if self.batch_invariant else "no")
+        # KV storage: the model's dtype, or int8 with an fp16 scale per token and head (attention.py)
+        self.kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else self.dtype
         self.num_blocks = self._num_blocks(config)
         self._pool_buffers: list[mmap.mmap] = []
         k_shape, v_shape = cache_shapes(self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [(self._zeros(k_shape), self._zeros(v_shape)) for _ in range(cfg.num_layers)]
+        s_shape = scale_shape(self.num_blocks, self.block_size, cfg.num_kv_heads)
+        if self.kv_dtype == torch.int8:
+            self.kv_caches = [(self._zeros(k_shape, torch.int8), self._zeros(v_shape, torch.int8),
+                               self._zeros(s_shape, KV_SCALE_DTYPE), self._zeros(s_shape, KV_SCALE_DTYPE))
+                              for _ in range(cfg.num_layers)]
+        else:
+            self.kv_caches = [(self._zeros(k_shape, self.dtype), self._zeros(v_shape, self.dtype))
+                              for _ in range(cfg.num_layers)]
+        log.info("KV cache: %s, %d blocks of %d tokens = %d tokens (%.2f GiB)", self.kv_dtype_name,
+                 self.num_blocks, self.block_size, self.num_blocks * self.block_size,
+                 self.num_blocks * self.bytes_per_block / 2**30)
         # seconds of the last execute() in (prepare inputs, model forward, LM head, sampling); on CUDA the
         # forward is asynchronous, so its time lands in sampling, which waits for it
         self.last_phases: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
 
-    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+    @property
+    def kv_dtype_name(self) -> str:
+        return str(self.kv_dtype).removeprefix("torch.")
+
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A zeroed cache tensor. Zeros matter: a masked slot still meets softmax weight 0, and 0 * NaN
         garbage would be NaN. On CPU the pool is an anonymous mmap: zero without touching pages, so a
         multi-GiB pool costs nothing until used (torch.zeros would write every byte at startup), and
         advised for transparent huge pages: attention reads 2 KiB pieces of blocks scattered over
         the pool, and with 4 KiB pages nearly every piece was a TLB miss."""
         if self.device.type != "cpu":
-            return torch.zeros(shape, dtype=self.dtype, device=self.device)
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+        elem = torch.tensor([], dtype=dtype).element_size()
         numel = 1
         for d in shape:
             numel *= d
@@ -133,13 +168,17 @@ class ModelRunner:
             except OSError:  # kernel without THP: 4 KiB pages, still correct
                 pass
         self._pool_buffers.append(buf)  # the tensor views this memory; keep it mapped
-        return torch.frombuffer(buf, dtype=torch.uint8, count=numel * elem).view(self.dtype).view(shape)
+        return torch.frombuffer(buf, dtype=torch.uint8, count=numel * elem).view(dtype).view(shape)
 
     @property
     def bytes_per_block(self) -> int:
+        """K and V of every layer for one block (int8: plus the fp16 scales)."""
         c = self.model_config
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * elem
+        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
+        per_token_head = c.head_dim * elem
+        if self.kv_dtype == torch.int8:
+            per_token_head += torch.tensor([], dtype=KV_SCALE_DTYPE).element_size()
+        return 2 * c.num_layers * self.block_size * c.num_kv_heads * per_token_head
 
     def _num_blocks(self, config: EngineConfig) -> int:
         if config.num_kv_blocks is not None:
@@ -164,9 +203,9 @@ class ModelRunner:
         """Run one step. Returns a sample for each item whose pending tokens are now all computed."""
         t0 = time.perf_counter()
         for src, dst in copies:  # copy-on-write of shared, partly filled blocks
-            for kc, vc in self.kv_caches:
-                kc[dst].copy_(kc[src])
-                vc[dst].copy_(vc[src])
+            for cache in self.kv_caches:
+                for t in cache:
+                    t[dst].copy_(t[src])
         if not items:
             self.last_phases = (time.perf_counter() - t0, 0.0, 0.0, 0.0)
             return None

@@ -31,7 +31,7 @@ from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.server import protocol as P
 from conveyor.server.async_engine import AsyncEngine, EngineThread
-from conveyor.server.metrics import CONTENT_TYPE, ServerMetrics
+from conveyor.server.metrics import CONTENT_TYPE, EngineInfo, ServerMetrics
 from conveyor.server.serving import ApiError, OpenAIServing, bad_request
 
 log = logging.getLogger("conveyor.server")
@@ -114,7 +114,9 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
     engine = engine or LLMEngine(engine_config)
     aengine = AsyncEngine(engine, max_queued_requests=args.max_queued_requests, mode=args.engine_loop,
                           log_interval_s=args.log_interval, owner=owner)
-    metrics = ServerMetrics(engine.model_name, aengine.stats)
+    r = engine.runner
+    metrics = ServerMetrics(engine.model_name, aengine.stats,
+                            EngineInfo(r.weight_dtype, r.kv_dtype_name, r.block_size, r.num_blocks * r.block_size))
     aengine.metrics = metrics
     serving = OpenAIServing(aengine, [engine.model_name])
     logging.getLogger("conveyor.server.requests").disabled = args.disable_log_requests

@@ -12,7 +12,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -92,12 +99,28 @@ class _EngineCollector(Collector):
         yield phases
 
 
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the engine was built with and does not change while it runs."""
+
+    weight_dtype: str = ""  # bfloat16, float32, int8, int4
+    kv_cache_dtype: str = ""  # bfloat16, float32, int8
+    block_size: int = 0
+    kv_cache_tokens: int = 0  # the pool's capacity: blocks x block size
+
+
 class ServerMetrics:
-    def __init__(self, model_name: str, snapshot: Callable[[], EngineStats]) -> None:
+    def __init__(self, model_name: str, snapshot: Callable[[], EngineStats], info: EngineInfo | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineCollector(snapshot, model_name))
         labels = ["model_name"]
         self.model_name = model_name
+        if info is not None:  # as vLLM's cache_config_info: the labels carry the facts, the value is 1
+            Gauge("conveyor:model_config_info", "How the model and its KV cache are stored.",
+                  labels + ["weight_dtype", "kv_cache_dtype", "block_size"], registry=self.registry).labels(
+                model_name, info.weight_dtype, info.kv_cache_dtype, str(info.block_size)).set(1)
+            Gauge("conveyor:kv_cache_capacity_tokens", "Tokens the KV pool holds when full.", labels,
+                  registry=self.registry).labels(model_name).set(info.kv_cache_tokens)
         self.request_success = Counter("conveyor:request_success", "Finished sequences by finish reason.",
                                        labels + ["finished_reason"], registry=self.registry)
         self.ttft = Histogram("conveyor:time_to_first_token_seconds", "Arrival to first token.", labels,

@@ -170,3 +170,29 @@ def test_preemption_changes_nothing(model_dir, workload, reference, top1, sample
     got = run(eng, probes, crowd, sampled, top1)
     assert eng.scheduler.num_preemptions > 0, "the small pool was meant to force preemption"
     check(reference, sampled, got, top1)
+
+
+@pytest.mark.parametrize("kw", [dict(kv_cache_dtype="int8"), dict(quantization="int8"),
+                                dict(quantization="int4", kv_cache_dtype="int8")],
+                         ids=["kv-int8", "w-int8", "w-int4+kv-int8"])
+def test_quantized_engine_unchanged_in_a_crowd(model_dir, workload, monkeypatch, kw):
+    """Quantized weights (on their kernels for every step size) and the int8 KV cache keep a request's
+    tokens independent of its batch: the int8 KV scales are per token, the int kernels per row."""
+    monkeypatch.setenv("CONVEYOR_QUANT_DENSE_ABOVE", "none")
+    probes, crowd = workload
+    alone = engine(model_dir, enable_prefix_caching=False, **kw)
+    if not alone.runner.batch_invariant:
+        pytest.skip("the engine reports batch-invariant outputs: no, on this machine")
+    want: dict[str, list[int]] = {}
+    for rid in probes:
+        want.update(run(alone, {rid: probes[rid]}, {}, False, {}))
+    eng = engine(model_dir, max_num_batched_tokens=256, **kw)
+    got = run(eng, probes, crowd, False, {})
+    for rid in probes:
+        assert got[rid] == want[rid], f"{rid} changed in a crowd with {kw}"
+
+
+def test_dense_copies_are_reported_as_not_invariant(model_dir, monkeypatch):
+    """Where big steps switch to the dense copies, the engine says so instead of claiming invariance."""
+    monkeypatch.setenv("CONVEYOR_QUANT_DENSE_ABOVE", "4")
+    assert not engine(model_dir, quantization="int8").runner.batch_invariant

@@ -172,3 +172,8 @@ def test_metrics_names(server, client):
         assert name in m, name
     assert m["conveyor:generation_tokens_total"] >= 3 and m["conveyor:time_to_first_token_seconds_count"] >= 1
     assert m["conveyor:kv_cache_blocks_total"] > 0
+    # what the weights and the KV cache are stored as, and the pool's capacity in tokens
+    block_size = next(int(k.split("=")[1][:-1]) for k in m if k.startswith("conveyor:model_config_info{block_size="))
+    assert m["conveyor:kv_cache_capacity_tokens"] == m["conveyor:kv_cache_blocks_total"] * block_size
+    assert any(k.startswith("conveyor:model_config_info{weight_dtype=") for k in m)
+    assert any(k.startswith("conveyor:model_config_info{kv_cache_dtype=") for k in m)

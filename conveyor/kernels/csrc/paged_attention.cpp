@@ -10,7 +10,10 @@
 // with an online softmax, so the order of every reduction depends only on the query's own position
 // and context: never on the batch it runs in, on how its prompt was chunked, or on the thread count.
 //
-// K/V may be fp32 or bf16; scores, softmax and the accumulator are fp32. The loops are written for
+// K/V may be fp32 or bf16 (the query's dtype), or int8 with one fp16 scale per token and KV head
+// (`--kv-cache-dtype int8`): a key's score is its integer dot product times its scale, and a value's
+// softmax weight is multiplied by its scale before P.V, so nothing is dequantized into memory.
+// Scores, softmax and the accumulator are fp32. The loops are written for
 // the compiler's auto-vectoriser (-O3 -march=native): 16 keys per tile map onto one AVX-512 register
 // (two AVX2 registers), the head dimension onto the accumulator rows.
 
@@ -23,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -37,6 +41,8 @@ constexpr int PREFETCH_TILES = 1;
 
 
 inline float to_float(float x) { return x; }
+inline float to_float(int8_t x) { return static_cast<float>(x); }
+inline float half_to_float(at::Half x) { return static_cast<float>(x); }
 inline float to_float(at::BFloat16 x) {
   uint32_t bits = static_cast<uint32_t>(x.x) << 16;
   float f;
@@ -50,6 +56,12 @@ using conveyor::exp_approx;
 using conveyor::exp16;
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 load16_half(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 inline __m512 load16(const at::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
@@ -57,10 +69,11 @@ inline __m512 load16(const at::BFloat16* p) {
 
 // One 16-key tile for NR query rows, read straight from the cache: scores (two partial sums over d per
 // row, a fixed order), online-softmax update, P.V into the fp32 accumulators, kept in registers for a
-// chunk of up to 64 dimensions at a time. kt: the tile's K, [D] rows of `kstride` keys; vt: [16][D].
+// chunk of up to 64 dimensions at a time. kt: the tile's K, [D] rows of `kstride` keys; vt: [16][D];
+// ksc/vsc: the 16 keys' and values' scales (int8 caches), else null.
 template <typename T, int D, int NR>
 inline void tile16(const float (*Q)[D], float (*acc)[D], float* m, float* l, const int* valid, int n,
-                   const T* kt, int64_t kstride, const T* vt) {
+                   const T* kt, int64_t kstride, const T* vt, const at::Half* ksc, const at::Half* vsc) {
   __m512 sa[NR], sb[NR];
   for (int i = 0; i < NR; ++i) { sa[i] = _mm512_setzero_ps(); sb[i] = _mm512_setzero_ps(); }
   for (int d = 0; d < D; d += 2) {
@@ -73,16 +86,23 @@ inline void tile16(const float (*Q)[D], float (*acc)[D], float* m, float* l, con
   }
   alignas(64) float pr[NR][16];
   float corr[NR];
+  constexpr bool quantized = std::is_same<T, int8_t>::value;
+  __m512 kscale = _mm512_setzero_ps(), vscale = _mm512_setzero_ps();
+  if constexpr (quantized) {
+    kscale = load16_half(ksc);
+    vscale = load16_half(vsc);
+  }
   for (int i = 0; i < NR; ++i) {
     const int vi = std::max(valid[i], 0);
     const __mmask16 mask = static_cast<__mmask16>((1u << vi) - 1u);
-    const __m512 s = _mm512_add_ps(sa[i], sb[i]);
+    __m512 s = _mm512_add_ps(sa[i], sb[i]);
+    if constexpr (quantized) s = _mm512_mul_ps(s, kscale);
     const float mx = vi > 0 ? std::max(m[i], _mm512_mask_reduce_max_ps(mask, s)) : m[i];
     const __m512 p = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(s, _mm512_set1_ps(mx))));
     corr[i] = vi > 0 ? exp_approx(m[i] - mx) : 1.f;
     l[i] = l[i] * corr[i] + _mm512_reduce_add_ps(p);
     m[i] = mx;
-    _mm512_store_ps(pr[i], p);
+    _mm512_store_ps(pr[i], quantized ? _mm512_mul_ps(p, vscale) : p);
   }
   constexpr int CH = D < 64 ? D : 64;  // accumulator chunk: NR x CH/16 registers
   for (int c = 0; c < D; c += CH) {
@@ -104,8 +124,9 @@ inline void tile16(const float (*Q)[D], float (*acc)[D], float* m, float* l, con
 }
 #endif
 
-template <typename T, int D>
-void attend_item(const T* __restrict q, T* __restrict out, const T* __restrict k_cache, const T* __restrict v_cache,
+template <typename T, typename CT, int D>
+void attend_item(const T* __restrict q, T* __restrict out, const CT* __restrict k_cache, const CT* __restrict v_cache,
+                 const at::Half* __restrict k_scale, const at::Half* __restrict v_scale,
                  const int32_t* __restrict table, int64_t q_begin, int64_t q_end, int64_t first_pos, int head0,
                  int group, int64_t q_stride_t, int64_t block_size, int64_t block_stride, int kvh, float scale) {
   const int64_t nt = q_end - q_begin;
@@ -136,17 +157,22 @@ void attend_item(const T* __restrict q, T* __restrict out, const T* __restrict k
     const int n = static_cast<int>(std::min<int64_t>(tile, last + 1 - k0));
     const int64_t base = static_cast<int64_t>(table[k0 / block_size]) * block_stride + head_off;
     const int64_t off = k0 % block_size;
-    const T* ks = k_cache + base + off;      // K block is [D][block_size]: the tile's keys are contiguous per d
-    const T* vs = v_cache + base + off * D;  // V block is [block_size][D]
+    const CT* ks = k_cache + base + off;      // K block is [D][block_size]: the tile's keys are contiguous per d
+    const CT* vs = v_cache + base + off * D;  // V block is [block_size][D]
+    // scales (int8 caches): [blocks, Hkv, block_size], one per token and head
+    const int64_t sbase = (static_cast<int64_t>(table[k0 / block_size]) * (block_stride / (D * block_size)) + kvh) *
+                          block_size + off;
+    const at::Half* ksc = k_scale ? k_scale + sbase : nullptr;
+    const at::Half* vsc = v_scale ? v_scale + sbase : nullptr;
     if (k0 + PREFETCH_TILES * tile <= last) {  // tiles ahead sit in other blocks: start loading them now
       const int64_t k1 = k0 + PREFETCH_TILES * tile;
       const int64_t nb = static_cast<int64_t>(table[k1 / block_size]) * block_stride + head_off;
       const char* nk = reinterpret_cast<const char*>(k_cache + nb + k1 % block_size);
       const char* nv = reinterpret_cast<const char*>(v_cache + nb + (k1 % block_size) * D);
-      const int64_t krow = block_size * static_cast<int64_t>(sizeof(T));
+      const int64_t krow = block_size * static_cast<int64_t>(sizeof(CT));
       const int step = krow * 2 <= 64 ? static_cast<int>(64 / krow) : 1;  // rows that share a cache line
       for (int d = 0; d < D; d += step) __builtin_prefetch(nk + d * krow);
-      for (int64_t b = 0; b < static_cast<int64_t>(tile * D * sizeof(T)); b += 64) __builtin_prefetch(nv + b);
+      for (int64_t b = 0; b < static_cast<int64_t>(tile * D * sizeof(CT)); b += 64) __builtin_prefetch(nv + b);
     }
 #ifdef __AVX512F__
     if (tile == 16 && D % 16 == 0) {
@@ -154,24 +180,30 @@ void attend_item(const T* __restrict q, T* __restrict out, const T* __restrict k
       for (int r = 0; r < rows; ++r) valid[r] = static_cast<int>(std::min<int64_t>(n, pos[r] + 1 - k0));
       int r = 0;
       for (; r + 4 <= rows; r += 4) {
-        tile16<T, D, 4>(Q + r, acc + r, m + r, l + r, valid + r, std::max(valid[r + 3], 0), ks, block_size, vs);
+        tile16<CT, D, 4>(Q + r, acc + r, m + r, l + r, valid + r, std::max(valid[r + 3], 0), ks, block_size, vs,
+                         ksc, vsc);
       }
       const int nl = std::max(valid[rows - 1], 0);
       switch (rows - r) {
-        case 3: tile16<T, D, 3>(Q + r, acc + r, m + r, l + r, valid + r, nl, ks, block_size, vs); break;
-        case 2: tile16<T, D, 2>(Q + r, acc + r, m + r, l + r, valid + r, nl, ks, block_size, vs); break;
-        case 1: tile16<T, D, 1>(Q + r, acc + r, m + r, l + r, valid + r, nl, ks, block_size, vs); break;
+        case 3: tile16<CT, D, 3>(Q + r, acc + r, m + r, l + r, valid + r, nl, ks, block_size, vs, ksc, vsc); break;
+        case 2: tile16<CT, D, 2>(Q + r, acc + r, m + r, l + r, valid + r, nl, ks, block_size, vs, ksc, vsc); break;
+        case 1: tile16<CT, D, 1>(Q + r, acc + r, m + r, l + r, valid + r, nl, ks, block_size, vs, ksc, vsc); break;
         default: break;
       }
       continue;
     }
 #endif
     for (int d = 0; d < D; ++d) {
-      const T* kd = ks + d * block_size;
+      const CT* kd = ks + d * block_size;
       for (int j = 0; j < n; ++j) Kt[d][j] = to_float(kd[j]);
     }
     for (int j = 0; j < n; ++j) {
       for (int d = 0; d < D; ++d) V[j][d] = to_float(vs[j * D + d]);
+    }
+    alignas(64) float kscale[KV_TILE], vscale[KV_TILE];  // int8: per key; the scores/weights are scaled
+    for (int j = 0; j < KV_TILE; ++j) {
+      kscale[j] = (ksc && j < n) ? half_to_float(ksc[j]) : 1.f;
+      vscale[j] = (vsc && j < n) ? half_to_float(vsc[j]) : 1.f;
     }
     for (int r = 0; r < rows; ++r) {
       const int valid = static_cast<int>(std::min<int64_t>(n, pos[r] + 1 - k0));
@@ -188,7 +220,7 @@ void attend_item(const T* __restrict q, T* __restrict out, const T* __restrict k
         }
       }
       alignas(64) float s[KV_TILE];
-      for (int j = 0; j < KV_TILE; ++j) s[j] = (s0[j] + s1[j]) + (s2[j] + s3[j]);
+      for (int j = 0; j < KV_TILE; ++j) s[j] = ((s0[j] + s1[j]) + (s2[j] + s3[j])) * kscale[j];
       float mx = m[r];
       for (int j = 0; j < valid; ++j) mx = std::max(mx, s[j]);
       alignas(64) float pr[KV_TILE];
@@ -201,7 +233,7 @@ void attend_item(const T* __restrict q, T* __restrict out, const T* __restrict k
       float* a = acc[r];
       for (int d = 0; d < D; ++d) a[d] *= corr;
       for (int j = 0; j < valid; ++j) {
-        const float pj = pr[j];
+        const float pj = pr[j] * vscale[j];
         for (int d = 0; d < D; ++d) a[d] += pj * V[j][d];
       }
     }
@@ -215,9 +247,10 @@ void attend_item(const T* __restrict q, T* __restrict out, const T* __restrict k
   }
 }
 
-template <typename T, int D>
+template <typename T, typename CT, int D>
 void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-         const torch::Tensor& block_tables, const torch::Tensor& cu_q, const torch::Tensor& ctx_lens, float scale) {
+         const torch::Tensor& block_tables, const torch::Tensor& cu_q, const torch::Tensor& ctx_lens, float scale,
+         const at::Half* ksp, const at::Half* vsp) {
   const int64_t num_seqs = ctx_lens.size(0);
   const int64_t heads = q.size(1);
   const int64_t kv_heads = k_cache.size(1), block_size = k_cache.size(3);
@@ -240,8 +273,8 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   }
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
+  const CT* kp = k_cache.data_ptr<CT>();
+  const CT* vp = v_cache.data_ptr<CT>();
   const int64_t q_stride_t = q.stride(0);
   const int64_t block_stride = k_cache.stride(0);
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
@@ -249,7 +282,7 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
       const Item& it = items[i];
       const int64_t qlen = cu[it.seq + 1] - cu[it.seq];
       const int64_t first_pos = ctx[it.seq] - qlen + (it.q0 - cu[it.seq]);
-      attend_item<T, D>(qp, op, kp, vp, tables + it.seq * table_stride, it.q0, it.q1, first_pos, it.kvh * group,
+      attend_item<T, CT, D>(qp, op, kp, vp, ksp, vsp, tables + it.seq * table_stride, it.q0, it.q1, first_pos, it.kvh * group,
                         group, q_stride_t, block_size, block_stride, it.kvh, scale);
     }
   });
@@ -281,16 +314,54 @@ void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_c
   });
 }
 
+// int8 caches: per token and head, scale = max|x| / 127 rounded to fp16, q = round(x / scale).
 template <typename T>
+void write_kv_int8(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache, torch::Tensor& v_cache,
+                   torch::Tensor& k_scale, torch::Tensor& v_scale, const torch::Tensor& slots) {
+  const int64_t n = k.size(0), hkv = k.size(1), d = k.size(2), bs = k_cache.size(3);
+  const int64_t bstride = k_cache.stride(0);
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  int8_t* kc = k_cache.data_ptr<int8_t>();
+  int8_t* vc = v_cache.data_ptr<int8_t>();
+  at::Half* ksc = k_scale.data_ptr<at::Half>();
+  at::Half* vsc = v_scale.data_ptr<at::Half>();
+  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
+  auto quant = [d](const T* src, int8_t* dst, int64_t dst_stride, at::Half* scale_out) {
+    float amax = 0.f;
+    for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(to_float(src[i])));
+    const at::Half sh = static_cast<at::Half>(amax / 127.f);
+    const float sc = static_cast<float>(sh);
+    *scale_out = sh;
+    for (int64_t i = 0; i < d; ++i) {
+      const float qv = sc > 0.f ? std::nearbyint(to_float(src[i]) / sc) : 0.f;
+      dst[i * dst_stride] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, qv)));
+    }
+  };
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t blk = sl[t] / bs, off = sl[t] % bs;
+      for (int64_t h = 0; h < hkv; ++h) {
+        const int64_t si = (blk * hkv + h) * bs + off;
+        quant(kp + t * ks0 + h * ks1, kc + blk * bstride + h * d * bs + off, bs, ksc + si);
+        quant(vp + t * vs0 + h * vs1, vc + blk * bstride + (h * bs + off) * d, 1, vsc + si);
+      }
+    }
+  });
+}
+
+template <typename T, typename CT>
 void dispatch_d(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                const torch::Tensor& bt, const torch::Tensor& cu, const torch::Tensor& ctx, float scale) {
+                const torch::Tensor& bt, const torch::Tensor& cu, const torch::Tensor& ctx, float scale,
+                const at::Half* ks, const at::Half* vs) {
   switch (q.size(2)) {
-    case 64: return run<T, 64>(out, q, k, v, bt, cu, ctx, scale);
-    case 128: return run<T, 128>(out, q, k, v, bt, cu, ctx, scale);
-    case 80: return run<T, 80>(out, q, k, v, bt, cu, ctx, scale);
-    case 96: return run<T, 96>(out, q, k, v, bt, cu, ctx, scale);
-    case 32: return run<T, 32>(out, q, k, v, bt, cu, ctx, scale);
-    case 256: return run<T, 256>(out, q, k, v, bt, cu, ctx, scale);
+    case 64: return run<T, CT, 64>(out, q, k, v, bt, cu, ctx, scale, ks, vs);
+    case 128: return run<T, CT, 128>(out, q, k, v, bt, cu, ctx, scale, ks, vs);
+    case 80: return run<T, CT, 80>(out, q, k, v, bt, cu, ctx, scale, ks, vs);
+    case 96: return run<T, CT, 96>(out, q, k, v, bt, cu, ctx, scale, ks, vs);
+    case 32: return run<T, CT, 32>(out, q, k, v, bt, cu, ctx, scale, ks, vs);
+    case 256: return run<T, CT, 256>(out, q, k, v, bt, cu, ctx, scale, ks, vs);
     default: TORCH_CHECK(false, "paged_attention: head_dim ", q.size(2), " is not compiled in");
   }
 }
@@ -300,19 +371,32 @@ void dispatch_d(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor&
 // out, q: [T, H, D] contiguous; k_cache: [blocks, Hkv, D, block_size] (K transposed within a block, so a
 // tile of keys is contiguous for every d); v_cache: [blocks, Hkv, block_size, D];
 // block_tables: int32 [S, max_blocks]; cu_q: int32 [S + 1]; ctx_lens: int32 [S].
+// int8 caches come with k_scale/v_scale: fp16 [blocks, Hkv, block_size].
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                     torch::Tensor block_tables, torch::Tensor cu_q, torch::Tensor ctx_lens, double scale) {
+                     torch::Tensor block_tables, torch::Tensor cu_q, torch::Tensor ctx_lens, double scale,
+                     c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && out.is_contiguous() && out.sizes() == q.sizes(), "q/out: [T, H, D]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(0) == v_cache.size(0));
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type(), "one dtype");
+  const bool q8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK((q8 || q.scalar_type() == k_cache.scalar_type()) && out.scalar_type() == q.scalar_type() &&
+              v_cache.scalar_type() == k_cache.scalar_type(), "q/out/cache dtypes");
+  TORCH_CHECK(!q8 || (k_scale && v_scale && k_scale->scalar_type() == at::kHalf && v_scale->scalar_type() == at::kHalf &&
+                      k_scale->is_contiguous() && v_scale->is_contiguous() &&
+                      k_scale->numel() == k_cache.size(0) * k_cache.size(1) * k_cache.size(3) &&
+                      v_scale->numel() == k_scale->numel()), "int8 caches need fp16 scales [blocks, Hkv, block_size]");
+  const at::Half* ks = q8 ? k_scale->data_ptr<at::Half>() : nullptr;
+  const at::Half* vs = q8 ? v_scale->data_ptr<at::Half>() : nullptr;
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && cu_q.scalar_type() == at::kInt &&
               ctx_lens.scalar_type() == at::kInt && block_tables.is_contiguous());
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0 && q.size(1) / k_cache.size(1) <= MAX_ROWS, "GQA group too large");
   TORCH_CHECK(q.size(2) <= MAX_D && q.size(2) == k_cache.size(2) && v_cache.size(3) == q.size(2));
+  const float sc = static_cast<float>(scale);
   if (q.scalar_type() == at::kFloat) {
-    dispatch_d<float>(out, q, k_cache, v_cache, block_tables, cu_q, ctx_lens, static_cast<float>(scale));
+    if (q8) dispatch_d<float, int8_t>(out, q, k_cache, v_cache, block_tables, cu_q, ctx_lens, sc, ks, vs);
+    else dispatch_d<float, float>(out, q, k_cache, v_cache, block_tables, cu_q, ctx_lens, sc, ks, vs);
   } else if (q.scalar_type() == at::kBFloat16) {
-    dispatch_d<at::BFloat16>(out, q, k_cache, v_cache, block_tables, cu_q, ctx_lens, static_cast<float>(scale));
+    if (q8) dispatch_d<at::BFloat16, int8_t>(out, q, k_cache, v_cache, block_tables, cu_q, ctx_lens, sc, ks, vs);
+    else dispatch_d<at::BFloat16, at::BFloat16>(out, q, k_cache, v_cache, block_tables, cu_q, ctx_lens, sc, ks, vs);
   } else {
     TORCH_CHECK(false, "paged_attention: dtype ", q.scalar_type(), " is not supported");
   }
@@ -320,8 +404,16 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
 
 // Scatter this step's K/V [T, Hkv, D] into their slots (slot = block * block_size + offset).
 void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
-                    torch::Tensor slots) {
+                    torch::Tensor slots, c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale) {
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous());
+  if (k_cache.scalar_type() == at::kChar) {
+    TORCH_CHECK(k_scale && v_scale && k_scale->scalar_type() == at::kHalf && v_scale->scalar_type() == at::kHalf);
+    if (k.scalar_type() == at::kFloat) return write_kv_int8<float>(k, v, k_cache, v_cache, *k_scale, *v_scale, slots);
+    if (k.scalar_type() == at::kBFloat16) {
+      return write_kv_int8<at::BFloat16>(k, v, k_cache, v_cache, *k_scale, *v_scale, slots);
+    }
+    TORCH_CHECK(false, "write_kv_cache: dtype ", k.scalar_type(), " is not supported");
+  }
   TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type());
   if (k_cache.scalar_type() == at::kFloat) {
     write_kv<float>(k, v, k_cache, v_cache, slots);
@@ -339,8 +431,13 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up);
 // Every op releases the GIL while it runs: the server's event loop keeps streaming meanwhile.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = py::call_guard<py::gil_scoped_release>;
-  m.def("paged_attention", &paged_attention, "paged attention over the block pool (CPU)", release());
-  m.def("write_kv_cache", &write_kv_cache, "scatter K/V into their cache slots (CPU)", release());
+  m.def("paged_attention", &paged_attention, "paged attention over the block pool (CPU)", py::arg("out"),
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("cu_q"),
+        py::arg("ctx_lens"), py::arg("scale"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(),
+        release());
+  m.def("write_kv_cache", &write_kv_cache, "scatter K/V into their cache slots (CPU)", py::arg("k"), py::arg("v"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("k_scale") = py::none(),
+        py::arg("v_scale") = py::none(), release());
   m.def("rms_norm", &rms_norm, "[residual +=] x; RMSNorm (CPU)", release());
   m.def("rope_", &rope_, "rotary embedding in place (CPU)", release());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU)", release());

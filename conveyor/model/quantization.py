@@ -1,0 +1,289 @@
+"""Weight-only quantization: int8 (one scale per output channel) and int4 (a scale and a zero per group
+of 32 inputs), run by torch's own CPU kernels.
+
+Why: a decode step reads every weight once per step, so at small batch its time is the time to stream
+the weights from memory. int8 halves the bytes and int4 quarters them (SmolLM2-135M: 270 MB of bf16
+per token down to 135 / ~75 MB). The kernels (`aten._weight_int8pack_mm`,
+`aten._weight_int4pack_mm_for_cpu`) dequantize in registers and win while the step is memory-bound,
+but lose several times over at large batch, where oneDNN's bf16 GEMM is compute-bound and they are
+not blocked for it (measured on an AMD EPYC Zen 4, 2 threads, SmolLM2 shapes cold in cache: 30
+layers at M=1 bf16 14.4 ms, int8 9.0, int4 3.9; at M=8 13.6 / 22.8 / 11.4). So each
+`QuantizedLinear` may also hold a dense copy of its dequantized weight, packed for oneDNN, and steps
+with more rows than a threshold measured at startup (`tune_dense_threshold`) run that instead.
+Where that split is used, a token's numerics depend on its step's size: the runner then reports
+outputs as not batch-invariant.
+
+GGUF files already hold Q4_0 / Q4_1 blocks of 32 (`w = d * q + m`): those map exactly onto the int4
+kernel's layout (`w = (q - 8) * scale + zero`), so `--quantization int4` keeps them as shipped
+(`QuantizedWeight.from_gguf`) instead of quantizing the dequantized floats a second time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from conveyor.model.packed_linear import PackedLinear, packing_available
+
+log = logging.getLogger("conveyor.quantization")
+
+QUANTIZATIONS = ("int8", "int4")
+INT4_GROUP = 32  # GGUF's Q4 block: the int4 kernel also accepts 64/128/256
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass
+class QuantizedWeight:
+    """A [N, K] weight as integers plus scales: w[n, k] = (q[n, k] - offset) * scale[n, g] + zero[n, g],
+    g = k // group. int8: q in [-127, 127], offset 0, no zero, group = K. int4: q in [0, 15], offset 8."""
+
+    bits: int
+    q: torch.Tensor  # int8 [N, K] (bits 8) or uint8 [N, K] (bits 4)
+    scale: torch.Tensor  # fp32 [N, K // group]
+    zero: torch.Tensor | None  # fp32 [N, K // group] (bits 4)
+    group: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight these integers stand for, in fp32 (the reference every kernel is tested against)."""
+        offset = 8 if self.bits == 4 else 0
+        s = self.scale.repeat_interleave(self.group, dim=1)
+        w = (self.q.float() - offset) * s
+        if self.zero is not None:
+            w = w + self.zero.repeat_interleave(self.group, dim=1)
+        return w
+
+    @staticmethod
+    def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """Stack along the output dimension (q/k/v and gate/up are fused into one matmul)."""
+        first = parts[0]
+        if any(p.bits != first.bits or p.group != first.group or p.shape[1] != first.shape[1] for p in parts):
+            raise ValueError("only weights quantized alike can be fused")
+        zero = None if first.zero is None else torch.cat([p.zero for p in parts])
+        return QuantizedWeight(first.bits, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                               zero, first.group)
+
+    @staticmethod
+    def from_gguf(raw: np.ndarray, qtype: str, rows: int, cols: int) -> QuantizedWeight:
+        """Q4_0 / Q4_1 blocks of 32 (2-byte d, [2-byte m,] 16 bytes of nibbles: element j in the low
+        nibble of byte j, element j + 16 in its high nibble) as int4 with no rounding of q."""
+        bpb = {"Q4_0": 18, "Q4_1": 20}[qtype]
+        blocks = np.ascontiguousarray(raw).reshape(rows, cols // 32, bpb)
+        d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)[..., 0]
+        m = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)[..., 0] if qtype == "Q4_1" else None
+        qs = blocks[..., bpb - 16:]
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, cols)
+        scale = torch.from_numpy(d)
+        # Q4_0: w = d * (q - 8); Q4_1: w = d * q + m = d * (q - 8) + (m + 8 d)
+        zero = torch.zeros_like(scale) if m is None else torch.from_numpy(m + 8 * d)
+        return QuantizedWeight(4, torch.from_numpy(q.astype(np.uint8)), scale, zero, 32)
+
+    def permute_rows(self, fn) -> QuantizedWeight:
+        """Apply a row permutation given as a function on [N, ...] arrays (GGUF's q/k RoPE order)."""
+        z = None if self.zero is None else torch.from_numpy(fn(self.zero.numpy()).copy())
+        return QuantizedWeight(self.bits, torch.from_numpy(fn(self.q.numpy()).copy()),
+                               torch.from_numpy(fn(self.scale.numpy()).copy()), z, self.group)
+
+
+def _round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 values that are exactly representable in `dtype` (the kernels take scales in x's dtype)."""
+    return x.to(dtype).float()
+
+
+def quantize_int8(w: torch.Tensor, scale_dtype: torch.dtype = torch.float32) -> QuantizedWeight:
+    """Symmetric, one scale per output channel. The scale is rounded to the kernel's dtype first and q
+    chosen for the rounded scale, so the weight the kernel sees is the one `dequantize()` describes."""
+    w = w.float()
+    scale = _round_to((w.abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-12), scale_dtype)
+    q = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
+    return QuantizedWeight(8, q, scale, None, w.shape[1])
+
+
+def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP, scale_dtype: torch.dtype = torch.float32
+                  ) -> QuantizedWeight:
+    """Asymmetric per group of `group` inputs (as GGUF's Q4_1): 16 levels from the group's min to max."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group, group)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    scale = _round_to(((hi - lo) / 15).clamp(min=1e-12), scale_dtype)
+    zero = _round_to(lo + 8 * scale, scale_dtype)  # w = (q - 8) * scale + zero, so q = 0 gives lo
+    q = torch.round((g - zero[..., None]) / scale[..., None] + 8).clamp(0, 15).to(torch.uint8)
+    return QuantizedWeight(4, q.reshape(n, k), scale, zero, group)
+
+
+def quantize(w: torch.Tensor, method: str, scale_dtype: torch.dtype) -> QuantizedWeight:
+    if method == "int8":
+        return quantize_int8(w, scale_dtype)
+    if method == "int4":
+        return quantize_int4(w, INT4_GROUP, scale_dtype)
+    raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {method!r}")
+
+
+def int4_fits(n: int, k: int, group: int = INT4_GROUP) -> bool:
+    """The int4 kernel needs N a multiple of 16 and K a multiple of the group."""
+    return n % 16 == 0 and k % group == 0
+
+
+class QuantizedLinear(nn.Module):
+    """y = x W^T + b with W held as int8 or int4 (CPU kernels), and optionally a dense copy for big steps."""
+
+    def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, self.in_features = qw.shape
+        self.bits, self.group = qw.bits, qw.group
+        self.dtype = dtype
+        self.bias = None if bias is None else bias.detach().to(dtype)
+        if qw.bits == 8:
+            self.qweight = qw.q.contiguous()
+            self.scales = qw.scale[:, 0].to(dtype).contiguous()
+        else:
+            self.qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qw.q.to(torch.int32).contiguous(), 1)
+            # [K // group, N, 2]: (scale, zero) per group and output channel
+            self.scales = torch.stack([qw.scale, qw.zero], dim=-1).transpose(0, 1).to(dtype).contiguous()
+        self.reference_weight = qw  # kept for tests and the dense copy; int tensors are small
+        self.dense: PackedLinear | nn.Linear | None = None
+        self.dense_above: int | None = None  # steps with more rows than this run `dense`
+
+    def make_dense(self) -> None:
+        """Build the dense copy (the dequantized weight in the model's dtype) for large steps."""
+        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
+        with torch.no_grad():
+            lin.weight = nn.Parameter(self.reference_weight.dequantize().to(self.dtype), requires_grad=False)
+            if self.bias is not None:
+                lin.bias = nn.Parameter(self.bias, requires_grad=False)
+        self.dense = PackedLinear(lin) if packing_available(torch.device("cpu"), self.dtype) else lin
+
+    def quantized_mm(self, x2: torch.Tensor) -> torch.Tensor:
+        if self.bits == 8:
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group, self.scales)
+        return y if self.bias is None else y + self.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if self.dense is not None and self.dense_above is not None and x2.shape[0] > self.dense_above:
+            return self.dense(x)
+        return self.quantized_mm(x2.contiguous()).view(*shape[:-1], self.out_features)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 x @ dequantized W^T: what the kernel approximates."""
+        y = x.float() @ self.reference_weight.dequantize().T
+        return y if self.bias is None else y + self.bias.float()
+
+    @property
+    def batch_invariant(self) -> bool:
+        """A row's result does not depend on the step's size unless the dense copy takes big steps."""
+        return self.dense is None or self.dense_above is None
+
+
+def quantization_available(device: torch.device, dtype: torch.dtype) -> str | None:
+    """None if the quantized kernels run here, else why not."""
+    if device.type != "cpu":
+        return f"no quantized kernels for {device.type} yet"
+    if dtype not in KERNEL_DTYPES:
+        return f"dtype {dtype}"
+    return None
+
+
+def quantize_model(model: nn.Module, method: str, dtype: torch.dtype,
+                   prequantized: dict[str, QuantizedWeight] | None = None) -> dict[str, int]:
+    """Replace every nn.Linear of `model` by a QuantizedLinear. `prequantized` maps a module's name
+    (e.g. `layers.0.self_attn.qkv_proj`) to weights already quantized (from a GGUF), used as they are.
+    Returns counts: {"quantized": n, "from_checkpoint": m}."""
+    counts = {"quantized": 0, "from_checkpoint": 0}
+    prequantized = prequantized or {}
+    bits = 8 if method == "int8" else 4
+    for name, lin in [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]:
+        n_out, k_in = lin.weight.shape
+        qw = prequantized.get(name)
+        if bits == 4 and name == "lm_head":
+            # the LM head stays int8 under int4 (as llama.cpp's Q4_K_M keeps its output at 6 bits): on
+            # SmolLM2 an int4 head costs 5.1% perplexity, an int8 one nothing measurable, for ~1 ms a token
+            qw = quantize_int8(lin.weight.detach(), dtype)
+        elif (qw is not None and qw.bits == bits and qw.shape == (n_out, k_in)
+              and (bits == 8 or int4_fits(n_out, k_in, qw.group))):
+            counts["from_checkpoint"] += 1
+        elif bits == 4 and not int4_fits(n_out, k_in):
+            log.info("%s: %dx%d does not fit the int4 kernel; int8 instead", name, n_out, k_in)
+            qw = quantize_int8(lin.weight.detach(), dtype)
+        else:
+            qw = quantize(lin.weight.detach(), method, dtype)
+        counts["quantized"] += 1
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, QuantizedLinear(qw, lin.bias, dtype))
+    return counts
+
+
+def tune_dense_threshold(model: nn.Module, max_rows: int) -> int | None:
+    """Measure, in model order (so weights come cold from memory as in a real step), the quantized
+    kernels against dense oneDNN GEMMs of the dequantized weights for growing row counts; give every
+    QuantizedLinear a dense copy used above the largest row count at which the quantized kernels still
+    win. Returns that threshold, or None where the quantized kernels win up to `max_rows` (no copies).
+
+    `CONVEYOR_QUANT_DENSE_ABOVE=N` skips the measurement and uses N (`none`: never a dense copy: every
+    step on the quantized kernels, outputs batch-invariant)."""
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    if not layers:
+        return None
+    forced = os.environ.get("CONVEYOR_QUANT_DENSE_ABOVE")
+    if forced is not None:
+        threshold = None if forced.lower() == "none" else int(forced)
+    else:
+        for m in layers:
+            m.make_dense()
+        inputs: dict[tuple[int, int], torch.Tensor] = {}
+
+        def timed(fn, rows: int) -> float:
+            best = float("inf")
+            for _ in range(3):
+                t = time.perf_counter()
+                for m in layers:
+                    key = (rows, m.in_features)
+                    if key not in inputs:
+                        inputs[key] = torch.randn(rows, m.in_features).to(m.dtype)
+                    fn(m, inputs[key])
+                best = min(best, time.perf_counter() - t)
+            return best
+
+        threshold = 0
+        with torch.inference_mode():
+            for rows in (1, 2, 4, 8, 16, 32, 64):
+                if rows > max_rows:
+                    threshold = None  # the quantized kernels win at every step size this engine runs
+                    break
+                tq = timed(lambda m, x: m.quantized_mm(x), rows)
+                td = timed(lambda m, x: m.dense(x), rows)
+                log.info("quantized vs dense linears at %d rows: %.2f vs %.2f ms", rows, tq * 1e3, td * 1e3)
+                if tq >= td:
+                    break
+                threshold = rows
+    for m in layers:
+        if threshold is None:
+            m.dense, m.dense_above = None, None
+        else:
+            if m.dense is None:
+                m.make_dense()
+            m.dense_above = threshold
+    return threshold
+
+
+def dense_rows_note(threshold: int | None) -> str:
+    if threshold is None:
+        return "quantized kernels for every step"
+    if threshold == 0:
+        return "dense copies for every step (the quantized kernels never won here)"
+    return f"quantized kernels up to {threshold} rows per step, dense oneDNN copies above"
+
+
