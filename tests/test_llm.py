@@ -6,6 +6,7 @@ import pytest
 
 from conveyor import LLM, SamplingParams
 from conveyor.config import EngineConfig
+from tests.conftest import record_steps
 
 MAX_LEN = 128
 
@@ -176,13 +177,13 @@ def test_bad_engine_config_names_the_field(field, value):
 def test_static_batch_runs_parallel_samples_together(tiny_llama):
     llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=64, max_model_len=256, scheduler="static",
               batch_size=2)
-    llm.engine.record_steps = True
+    steps = record_steps(llm.engine)
     outs = llm.generate([[5, 6, 7, 8, 9], [10, 11, 12]], SamplingParams(n=3, max_tokens=6, ignore_eos=True),
                         use_tqdm=False)
     assert [len(c.token_ids) for o in outs for c in o.outputs] == [6] * 6
     # one batch: the prompts' step, the siblings' fork step, then decodes; not one batch per sibling
-    assert len(llm.engine.step_stats) <= 6 + 2
-    assert max(s.num_seqs for s in llm.engine.step_stats) == 6
+    assert len(steps) <= 6 + 2
+    assert max(s.num_seqs for s in steps) == 6
 
 
 def test_stop_token_adds_no_text(llm):

@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+BASELINE = "none"  # the no-batching baseline's name in results
+
 TOLERANCE = 0.05
 SPEEDUP_RANGE = (5.0, 20.0)
 HOLDS, TIE, DISAGREES, UNTESTED = "holds", "tie", "disagrees", "untested"

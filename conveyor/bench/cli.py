@@ -64,9 +64,6 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress", dest="progress", action="store_false")
     g.add_argument("--peak-matmul-size", type=int, default=2048,
                    help="n of the n x n x n matmul that measures peak FLOP/s for MFU")
-    g.add_argument("--static-flush-ms", type=float, default=1000.0,
-                   help="in-process static: run a partial batch once its oldest request waited this long, as "
-                        "`conveyor serve` does (default 1000; 0: never, the batch waits to fill)")
     g.add_argument("--num-kv-blocks", type=int, default=None,
                    help="in-process: exact KV pool size in blocks (overrides --kv-cache-memory)")
 
@@ -79,9 +76,8 @@ def workload_from_args(args: argparse.Namespace) -> WorkloadSpec:
 
 
 def lab_engine_config(args: argparse.Namespace):
-    """The engine flags plus the lab's own: an exact KV pool size and the static flush timer."""
-    flush = args.static_flush_ms / 1000.0 if args.static_flush_ms and args.static_flush_ms > 0 else None
-    return engine_config_from_args(args, num_kv_blocks=args.num_kv_blocks, extra={"static_flush_after_s": flush})
+    """The engine flags plus the lab's own: an exact KV pool size."""
+    return engine_config_from_args(args, num_kv_blocks=args.num_kv_blocks)
 
 
 def build_parser() -> argparse.ArgumentParser:

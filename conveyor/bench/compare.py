@@ -1,7 +1,7 @@
 """`conveyor bench compare`: every batching strategy, plus no batching, on one workload.
 
 The model is loaded once; before each run the engine gets a fresh scheduler, policy and empty KV
-manager for the strategy (`reset_engine`), so every run starts cold with the same weights, the
+manager for the strategy (`LLMEngine.reset`), so every run starts cold with the same weights, the
 same requests (same seed) and the same arrival times. Each strategy runs at every offered load;
 the no-batching baseline (continuous with max_num_seqs=1, one request at a time) runs at the
 table's load, which is all the "relative to no batching" column needs.
@@ -18,22 +18,23 @@ from dataclasses import asdict, dataclass, field
 import psutil
 import torch
 
-from conveyor.bench.engine_backend import EngineBackend, reset_engine, run_on_this_thread, strategy_config
+from conveyor.bench.claims import BASELINE
+from conveyor.bench.engine_backend import EngineBackend, run_on_this_thread, strategy_config
 from conveyor.bench.loadgen import LoadPattern
 from conveyor.bench.run import run_once
 from conveyor.bench.stats import FlopModel, measure_peak_flops
 from conveyor.bench.workloads import WorkloadSpec, generate
-from conveyor.config import SCHEDULERS, EngineConfig
+from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.sampling_params import SamplingParams
+from conveyor.scheduler.policies import POLICIES, policy_options
 
 log = logging.getLogger("conveyor.bench")
-BASELINE = "none"  # the no-batching baseline's name in results
 
 
 @dataclass
 class CompareSpec:
-    strategies: list[str] = field(default_factory=lambda: list(SCHEDULERS))
+    strategies: list[str] = field(default_factory=lambda: list(POLICIES))
     baseline: bool = True
     request_rates: list[float] = field(default_factory=lambda: [1.0, 2.0, 4.0, 8.0])
     table_rate: float | None = None  # the load the comparison table is taken at (default: the highest)
@@ -45,9 +46,9 @@ class CompareSpec:
     peak_matmul_size: int = 2048  # n of the n x n x n GEMM that measures the machine's peak
 
     def __post_init__(self) -> None:
-        bad = [s for s in self.strategies if s not in SCHEDULERS]
+        bad = [s for s in self.strategies if s not in POLICIES]
         if bad or not self.strategies:
-            raise ValueError(f"strategies must be a non-empty subset of {SCHEDULERS}, got {self.strategies}")
+            raise ValueError(f"strategies must be a non-empty subset of {tuple(POLICIES)}, got {self.strategies}")
         if not self.request_rates or any(r <= 0 for r in self.request_rates):
             raise ValueError(f"request_rates must be positive numbers (or inf), got {self.request_rates}")
         if self.table_rate is None:
@@ -73,15 +74,14 @@ def config_for(base: EngineConfig, strategy: str) -> EngineConfig:
 def warm_up(engine: LLMEngine, base: EngineConfig, vocab_size: int) -> None:
     """One short batch through the model, so the first measured run does not pay one-time costs
     (thread pool start, allocator growth, lazy kernel selection)."""
-    reset_engine(engine, strategy_config(base, "continuous"))
+    engine.reset(strategy_config(base, "continuous"))
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     for i in range(4):
         engine.add_request([100 + (7 * i + j) % max(vocab_size - 100, 1) for j in range(32)], params)
     deadline = time.monotonic() + 300
     while engine.has_unfinished_requests() and time.monotonic() < deadline:
         engine.step()
-    for rid in list(engine.scheduler.requests):
-        engine.abort_request(rid)
+    engine.abort_all()
 
 
 def run_compare(engine: LLMEngine, base: EngineConfig, spec: CompareSpec, progress: bool = True) -> dict:
@@ -97,7 +97,7 @@ def run_compare(engine: LLMEngine, base: EngineConfig, spec: CompareSpec, progre
     t_start = time.monotonic()
     for k, (strategy, rate) in enumerate(plan):
         cfg = config_for(base, strategy)
-        reset_engine(engine, cfg)
+        engine.reset(cfg)
         peaks.append(measure())  # a shared machine's peak varies: keep sampling it, use the best
         load = LoadPattern(request_rate=rate, burstiness=spec.burstiness, seed=spec.workload.seed,
                            timeout_s=spec.timeout_s)
@@ -112,7 +112,7 @@ def run_compare(engine: LLMEngine, base: EngineConfig, spec: CompareSpec, progre
         log.info("%s: %.1f output tok/s, TTFT p99 %.2fs, %d/%d ok", label, res["output_throughput"],
                  res["ttft_s"]["p99"] or float("nan"), res["completed"], res["num_requests"])
         runs.append(res)
-    reset_engine(engine, base)
+    engine.reset(base)
     peak = max(peaks)
     for res in runs:
         set_peak(res, peak)
@@ -153,11 +153,11 @@ def set_peak(res: dict, peak: float) -> None:
 
 
 def _config_dict(cfg: EngineConfig) -> dict:
-    keep = ("scheduler", "max_num_seqs", "max_num_batched_tokens", "batch_size", "batch_timeout_ms",
-            "max_num_partial_prefills", "enable_prefix_caching", "block_size")
+    keep = ("scheduler", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "block_size")
     out = {k: getattr(cfg, k) for k in keep}
-    flush = cfg.extra.get("static_flush_after_s")
-    out["static_flush_ms"] = flush * 1000 if flush is not None else None
+    out["policy_options"] = policy_options(cfg)  # each policy's own knobs (scheduler/policies.py)
+    for opt in ("batch_size", "batch_timeout_ms", "max_num_partial_prefills", "static_flush_ms"):
+        out[opt] = getattr(cfg, opt)  # flat too: reports written before the registry read these
     return out
 
 

@@ -1,20 +1,18 @@
-"""An in-process backend: the lab drives an `LLMEngine` on one thread while asyncio drives the load.
+"""An in-process backend: the lab drives an `LLMEngine` through its `EngineLoop` while asyncio
+drives the load.
 
-The engine is not thread-safe, so every engine call happens on that one thread; the asyncio side
-only posts commands to an inbox. `run_on_this_thread` makes that thread the one that loaded the
-model (the lab's main thread), with the load generator's event loop on a helper thread: see its
-docstring for why. A request reaches the engine when the load generator sends it
-(never earlier), and each of its tokens is stamped the moment the step that produced it returns:
-what a streaming client would see, minus the network. Because it runs in-process it also sees
-every step exactly (who was in the batch, KV blocks and slots in use), which the occupancy
-timeline and the KV-waste numbers need.
+The loop runs on the thread that loaded the model (`run_on_this_thread`), the load generator's
+event loop on a helper thread: see its docstring for why. A request reaches the engine when the
+load generator sends it (never earlier), and each of its tokens is stamped with the time the step
+that produced it returned: what a streaming client would see, minus the network. Because it runs
+in-process it also receives every step's `StepStats` (who was in the batch, KV blocks and slots in
+use), which the occupancy timeline and the KV-waste numbers need.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import queue
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -24,31 +22,11 @@ from conveyor.bench.loadgen import RequestRecord
 from conveyor.bench.stats import contiguous_waste, paged_waste
 from conveyor.bench.workloads import BenchRequest
 from conveyor.config import EngineConfig
+from conveyor.engine.engine_loop import AbortRequest, AddRequest, EndInput, LoopOutput, Stop, ThreadEngineClient
 from conveyor.engine.llm_engine import STEP_PHASES, LLMEngine, StepStats
-from conveyor.kv_cache import KVCacheManager
-from conveyor.request import Request
 from conveyor.sampling_params import SamplingParams
-from conveyor.scheduler.core import Scheduler
-from conveyor.scheduler.policies import make_policy
 
 T = TypeVar("T")
-_IDLE_WAIT_S = 0.001  # a step scheduled nothing (a batcher is waiting): wait this long for news
-
-
-def reset_engine(engine: LLMEngine, config: EngineConfig) -> None:
-    """Give a loaded engine a fresh scheduler, policy and (empty) KV manager for `config`.
-
-    The weights and KV tensors stay; the tensors need no clearing since every slot is written
-    before it is read. This lets one model load serve every strategy of a comparison.
-    """
-    if engine.has_unfinished_requests():
-        raise RuntimeError("cannot reset an engine that still has requests")
-    engine.config = config
-    engine.kv = KVCacheManager(engine.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-    engine.scheduler = Scheduler(config, engine.kv, make_policy(config), engine.max_model_len)
-    engine.step_stats.clear()
-    engine.total_prompt_tokens = 0
-    engine.total_generation_tokens = 0
 
 
 def strategy_config(base: EngineConfig, scheduler: str, **overrides) -> EngineConfig:
@@ -57,146 +35,101 @@ def strategy_config(base: EngineConfig, scheduler: str, **overrides) -> EngineCo
 
 class EngineBackend:
     def __init__(self, engine: LLMEngine) -> None:
-        """Driven by `run_on_this_thread`, which runs the engine loop (`_run`) on the calling thread."""
+        """Driven by `run_on_this_thread`, which runs the engine loop on the calling thread."""
         self.engine = engine
+        self.info = engine.info
+        self.client = ThreadEngineClient(engine)
+        self.client.on_output = self._on_output  # called on the engine thread
         self._done = threading.Event()
-        self.steps: list[StepStats] = []  # the non-empty steps, as the engine recorded them
-        self._inbox: queue.Queue = queue.Queue()
+        self.steps: list[StepStats] = []  # the non-empty steps
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._live: dict[str, tuple[RequestRecord, asyncio.Future, Request]] = {}
-        self._fatal: BaseException | None = None
-        self._prefix0 = (0, 0)
+        self._live: dict[str, tuple[RequestRecord, asyncio.Future]] = {}
+        self._fatal: str | None = None
+        snap = engine.snapshot()  # the loop is not running yet: safe to read here
+        self._prefix0 = (snap.prefix_queries, snap.prefix_hits)
+        self._last_snapshot = snap
+        self._waits_for_end = engine.waits_for_end_of_input
 
     # --- asyncio side -------------------------------------------------------------------------------
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self.engine.record_steps = True
-        self.engine.step_stats.clear()
-        self.engine.scheduler.input_ended = False
-        self._prefix0 = (self.engine.kv.prefix_queries, self.engine.kv.prefix_hits)
 
     async def send(self, rid: str, req: BenchRequest, rec: RequestRecord) -> None:
         fut = self._loop.create_future()
-        self._inbox.put(("add", rid, req, rec, fut))
+        self._live[rid] = (rec, fut)
+        params = SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
+        self.client.send(AddRequest(rid, list(req.prompt_token_ids), params, arrival_time=time.monotonic()))
         try:
             await fut
         except asyncio.CancelledError:
-            self._inbox.put(("abort", rid))
+            self.client.send(AbortRequest(rid))
             raise
 
     def end_of_input(self) -> None:
         """Tell a static batcher without a flush timer that no more requests will come, as the
         offline `LLM` does; otherwise its last, partial batch would wait forever. A batcher with a
-        timer (dynamic, or static with `static_flush_after_s`) is not told: it flushes on its own,
+        timer (dynamic, or static with `static_flush_ms`) is not told: it flushes on its own,
         as it would in a server."""
-        if getattr(self.engine.scheduler.policy, "flush_after_s", 0) is None:
-            self._inbox.put(("end",))
+        if self._waits_for_end:
+            self.client.send(EndInput())
 
     async def close(self) -> None:
-        self._inbox.put(("stop",))
+        self.client.send(Stop())
         await asyncio.to_thread(self._done.wait, 60)
-        self.engine.record_steps = False
-        self.engine.scheduler.input_ended = False
         if self._fatal is not None:
-            raise RuntimeError("the engine thread failed") from self._fatal
+            raise RuntimeError(f"the engine loop failed: {self._fatal}")
 
     def engine_stats(self) -> dict:
         """Exact per-step numbers of this run (call after `close`)."""
-        e, (q0, h0) = self.engine, self._prefix0
-        return engine_stats_from_steps(self.steps, e.runner.num_blocks, e.config.block_size, e.max_model_len,
-                                       e.kv.prefix_queries - q0, e.kv.prefix_hits - h0)
+        info, (q0, h0), snap = self.info, self._prefix0, self._last_snapshot
+        return engine_stats_from_steps(self.steps, info.num_kv_blocks, info.block_size, info.max_model_len,
+                                       snap.prefix_queries - q0, snap.prefix_hits - h0)
 
     # --- engine thread ------------------------------------------------------------------------------
-    def _run(self) -> None:
-        engine = self.engine
-        try:
-            while True:
-                busy = engine.has_unfinished_requests()
-                try:
-                    cmd = self._inbox.get(block=not busy, timeout=None)
-                except queue.Empty:
-                    cmd = None
-                while cmd is not None:
-                    if cmd[0] == "stop":
-                        self._abort_all()
-                        return
-                    self._handle(cmd)
-                    try:
-                        cmd = self._inbox.get_nowait()
-                    except queue.Empty:
-                        cmd = None
-                if engine.has_unfinished_requests() and not self._step():
-                    try:  # nothing ran (a batcher is waiting for more requests or a timeout)
-                        self._handle(self._inbox.get(timeout=_IDLE_WAIT_S))
-                    except queue.Empty:
-                        pass
-        except BaseException as e:  # surface it to every waiter instead of hanging them
-            self._fatal = e
-            self._abort_all(e)
-        finally:
-            self._done.set()
-
-    def _handle(self, cmd: tuple) -> None:
-        kind = cmd[0]
-        if kind == "add":
-            _, rid, req, rec, fut = cmd
-            params = SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
-            try:
-                (request,) = self.engine.add_request(list(req.prompt_token_ids), params, request_id=rid,
-                                                     arrival_time=time.monotonic())
-            except ValueError as e:
-                self._resolve(fut, exc=e)
-                return
-            self._live[rid] = (rec, fut, request)
-        elif kind == "abort":
-            self.engine.abort_request(cmd[1])
-            self._live.pop(cmd[1], None)
-        elif kind == "end":
-            self.engine.scheduler.input_ended = True
-        elif kind == "stop":  # only reached from the idle wait
-            self._inbox.put(cmd)
-
-    def _step(self) -> bool:
-        """Run one engine step; False if it scheduled nothing."""
-        engine = self.engine
-        deltas = engine.step()
-        now = time.monotonic()
-        st = engine.step_stats.pop() if engine.step_stats else None
-        if st is None or st.num_seqs == 0:
-            return False
-        self.steps.append(st)
-        for d in deltas:
+    def _on_output(self, out: LoopOutput) -> None:
+        if out.snapshot is not None:
+            self._last_snapshot = out.snapshot
+        for rid, message in out.failed:
+            live = self._live.pop(rid, None)
+            if live is not None:
+                self._resolve(live[1], exc=ValueError(message))
+        if out.stats is not None and out.stats.num_seqs > 0:
+            self.steps.append(out.stats)
+        for d in out.deltas:
             live = self._live.get(d.group_id)
             if live is None:
                 continue
-            rec, fut, request = live
+            rec, fut = live
             if d.new_token_ids:
-                rec.token_times.append(now)
+                rec.token_times.append(out.time)
                 rec.output_len += len(d.new_token_ids)
             if d.finished:
-                rec.end = now
-                rec.cached_tokens = request.num_cached_tokens
+                rec.end = out.time
+                rec.cached_tokens = d.extra.get("num_cached_tokens", 0)
                 if d.finish_reason == "abort":
                     rec.error = "aborted"
                 del self._live[d.group_id]
                 self._resolve(fut)
-        return True
+        if out.error is not None:
+            self._fatal = out.error
+            for _, fut in list(self._live.values()):
+                self._resolve(fut, exc=RuntimeError(f"engine stopped: {out.error}"))
+            self._live.clear()
+        if out.final:
+            for _, fut in self._live.values():
+                self._resolve(fut)
+            self._live.clear()
+            self._done.set()
 
     def _resolve(self, fut: asyncio.Future, exc: BaseException | None = None) -> None:
         def done() -> None:
             if not fut.done():
                 fut.set_exception(exc) if exc is not None else fut.set_result(None)
 
-        self._loop.call_soon_threadsafe(done)
-
-    def _abort_all(self, exc: BaseException | None = None) -> None:
-        for rid, (_, fut, _) in list(self._live.items()):
-            try:
-                self.engine.abort_request(rid)
-            except Exception:  # the engine may be the thing that broke; still release the waiters
-                pass
-            self._resolve(fut, exc=RuntimeError(f"engine stopped: {exc}") if exc else None)
-        self._live.clear()
+        try:
+            self._loop.call_soon_threadsafe(done)
+        except (RuntimeError, AttributeError):  # the load's event loop is gone already
+            pass
 
 
 def run_on_this_thread(backend: EngineBackend, make_coro: Callable[[], Coroutine[Any, Any, T]]) -> T:
@@ -217,11 +150,11 @@ def run_on_this_thread(backend: EngineBackend, make_coro: Callable[[], Coroutine
         except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
             out["error"] = e
         finally:
-            backend._inbox.put(("stop",))  # the engine loop ends even if the load never got to close()
+            backend.client.send(Stop())  # the engine loop ends even if the load never got to close()
 
     helper = threading.Thread(target=load_side, name="bench-load", daemon=True)
     helper.start()
-    backend._run()
+    backend.client.start(on_this_thread=True)
     helper.join()
     if "error" in out:
         raise out["error"]

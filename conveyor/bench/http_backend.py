@@ -6,7 +6,8 @@ server may stream empty text while the detokenizer holds back a partial UTF-8 ch
 still is a token arriving). The final usage chunk gives the exact token count.
 
 Engine-side numbers come from `/metrics` (Prometheus text): counters are differenced over the run,
-gauges are sampled while it runs.
+gauges are sampled while it runs. Beside each sample the backend times a `GET /health`: what a
+liveness probe sees while the server is busy (`health_latency_s` in the result).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import httpx
 import psutil
 
 from conveyor.bench.loadgen import RequestRecord
+from conveyor.bench.stats import summarize
 from conveyor.bench.workloads import BenchRequest
 
 METRIC_PREFIXES = ("conveyor:", "conveyor_", "vllm:")
@@ -73,6 +75,7 @@ class HttpBackend:
         self.before: dict[str, float] = {}
         self.after: dict[str, float] = {}
         self.gauge_samples: list[dict[str, float]] = []
+        self.health_latencies: list[float] = []
         self._sampler: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -96,6 +99,12 @@ class HttpBackend:
     async def _sample_loop(self) -> None:
         while True:
             await asyncio.sleep(self.sample_every_s)
+            t0 = time.monotonic()
+            try:
+                if (await self.client.get("/health")).status_code == 200:
+                    self.health_latencies.append(time.monotonic() - t0)
+            except httpx.HTTPError:
+                pass
             values = await self.scrape()
             if values:
                 self.gauge_samples.append(values)
@@ -165,4 +174,5 @@ class HttpBackend:
             "prefix_hit_rate": hits / queries if queries else None,
             "num_preemptions": delta("num_preemptions_total"),
             "processed_tokens": None,
+            "health_latency_s": summarize(self.health_latencies),
         }

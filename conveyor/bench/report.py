@@ -1,7 +1,8 @@
-"""The comparison report: Markdown with the measured table, generated conclusions, and PNG plots.
+"""The comparison report: Markdown with the measured table and generated conclusions.
 
-Everything the report states is computed from the runs passed in; the only fixed text is the
-seed's claims (quoted, to be tested) and the description of the method.
+Everything the report states is computed from the runs passed in (`analysis.py`); the only fixed
+text is the seed's claims (quoted, to be tested) and the description of the method. The plots are
+drawn by `plots.py`. Nothing here imports torch: `conveyor bench report` re-renders from JSON alone.
 """
 
 from __future__ import annotations
@@ -9,25 +10,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from matplotlib.colors import ListedColormap  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
-
-from conveyor.bench.claims import (  # noqa: E402
-    TOLERANCE,
-    evaluate,
+from conveyor.bench.analysis import Analysis, _rate_label, analyze
+from conveyor.bench.claims import (
+    BASELINE,
     headroom_sentence,
-    noise_floor,
     noise_sentence,
     per_load_leaders,
     summary_sentence,
     verdicts_json,
 )
-from conveyor.bench.compare import BASELINE  # noqa: E402
+from conveyor.bench.plots import _name, plot_kv_waste, plot_occupancy, plot_throughput, plot_ttft
 
 SEED_CLAIMS = {
     "static": "medium throughput, high waiting latency",
@@ -36,33 +28,8 @@ SEED_CLAIMS = {
     "iteration": "best of both",
     BASELINE: "(baseline)",
 }
-DISPLAY = {BASELINE: "no batching", "iteration": "iteration-level"}
-COLORS = {"static": "tab:red", "dynamic": "tab:orange", "continuous": "tab:blue", "iteration": "tab:green",
-          BASELINE: "tab:gray"}
-ABSENT, WAITING, PREFILL, DECODE = 0, 1, 2, 3
 
 
-def _rate(x) -> float:
-    return float(x)
-
-
-def _rate_label(r: float) -> str:
-    return "all at once" if r == float("inf") else f"{r:g}"
-
-
-def organize(runs: list[dict], table_rate: float) -> tuple[dict[str, dict], dict[str, dict[float, dict]]]:
-    """(strategy -> result at the table's load, strategy -> {rate -> result}) without the baseline in the sweep."""
-    table, sweep = {}, {}
-    for res in runs:
-        s, r = res["meta"]["strategy"], _rate(res["meta"]["request_rate"])
-        if r == table_rate:
-            table[s] = res
-        if s != BASELINE:
-            sweep.setdefault(s, {})[r] = res
-    return table, sweep
-
-
-# --- formatting ---------------------------------------------------------------------------------------
 def _ms(x: float | None) -> str:
     if x is None:
         return "-"
@@ -75,10 +42,6 @@ def _pct(x: float | None, digits: int = 1) -> str:
 
 def _f(x: float | None, fmt: str = ".2f") -> str:
     return "-" if x is None else format(x, fmt)
-
-
-def _name(s: str) -> str:
-    return DISPLAY.get(s, s)
 
 
 def comparison_table(table: dict[str, dict], order: list[str]) -> list[str]:
@@ -137,167 +100,40 @@ def kv_table(table: dict[str, dict], order: list[str]) -> list[str]:
     return lines
 
 
-def _by_rate(sweep: dict[str, dict[float, dict]]) -> dict[float, dict[str, dict]]:
-    out: dict[float, dict[str, dict]] = {}
-    for s, by_rate in sweep.items():
-        for r, res in by_rate.items():
-            out.setdefault(r, {})[s] = res
-    return dict(sorted(out.items()))
 
-
-# --- plots --------------------------------------------------------------------------------------------
-def _x(rates: list[float]) -> tuple[list[int], list[str]]:
-    return list(range(len(rates))), [_rate_label(r) for r in rates]
-
-
-def plot_throughput(sweep: dict, rates: list[float], order: list[str], baseline: dict | None, path: Path) -> None:
-    xs, labels = _x(rates)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for s in order:
-        if s not in sweep:
-            continue
-        pts = [(x, sweep[s][r]) for x, r in zip(xs, rates) if r in sweep[s]]
-        axes[0].plot([p[0] for p in pts], [p[1]["output_throughput"] for p in pts], "o-", color=COLORS.get(s),
-                     label=_name(s))
-        axes[1].plot([p[0] for p in pts], [p[1]["request_throughput"] for p in pts], "o-", color=COLORS.get(s),
-                     label=_name(s))
-    finite = [(x, r) for x, r in zip(xs, rates) if r != float("inf")]
-    if finite:
-        axes[1].plot([p[0] for p in finite], [p[1] for p in finite], ":", color="black", label="offered load")
-    if baseline is not None:
-        axes[0].axhline(baseline["output_throughput"], ls="--", color=COLORS[BASELINE], label="no batching")
-        axes[1].axhline(baseline["request_throughput"], ls="--", color=COLORS[BASELINE], label="no batching")
-    for ax, title in zip(axes, ("output tokens/s", "requests/s")):
-        ax.set_xticks(xs, labels)
-        ax.set_xlabel("offered load (requests/s)")
-        ax.set_title(f"Throughput ({title}) vs offered load")
-        ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def plot_ttft(sweep: dict, rates: list[float], order: list[str], baseline: dict | None, path: Path) -> None:
-    xs, labels = _x(rates)
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for s in order:
-        if s not in sweep:
-            continue
-        pts = [(x, sweep[s][r]["ttft_s"]["p99"]) for x, r in zip(xs, rates)
-               if r in sweep[s] and sweep[s][r]["ttft_s"]["p99"] is not None]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=COLORS.get(s), label=_name(s))
-    if baseline is not None and baseline["ttft_s"]["p99"] is not None:
-        ax.axhline(baseline["ttft_s"]["p99"], ls="--", color=COLORS[BASELINE], label="no batching (table load)")
-    ax.set_yscale("log")
-    ax.set_xticks(xs, labels)
-    ax.set_xlabel("offered load (requests/s)")
-    ax.set_ylabel("p99 time to first token (s)")
-    ax.set_title("p99 TTFT vs offered load")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def occupancy_matrix(res: dict) -> np.ndarray:
-    """Rows = requests (in arrival order), columns = engine steps; cell = absent/waiting/prefill/decode.
-
-    A request is *waiting* from the moment it was sent until it finished, in every step it is not
-    part of; in a step it is part of, it is *prefill* until the step that produced its first token
-    (inclusive) and *decode* after.
-    """
-    steps = res.get("steps") or []
-    reqs = res["requests"]
-    m = np.zeros((len(reqs), len(steps)), dtype=np.int8)
-    starts = np.array([st["t"] for st in steps], dtype=float)
-    eps = 1e-5
-    for i, q in enumerate(reqs):
-        if q["sent_s"] is None:
-            continue
-        done = q["sent_s"] + q["e2e_s"] if q["e2e_s"] is not None else float("inf")
-        m[i, (starts >= q["sent_s"] - eps) & (starts < done - eps)] = WAITING
-    for j, st in enumerate(steps):
-        end = st["t"] + st["d"]
-        for i in st["ids"]:
-            q = reqs[i]
-            first = q["sent_s"] + q["ttft_s"] if q["ttft_s"] is not None else float("inf")
-            m[i, j] = PREFILL if end <= first + eps else DECODE
-    return m
-
-
-def plot_occupancy(res: dict, name: str, path: Path) -> None:
-    m = occupancy_matrix(res)
-    n_req, n_steps = m.shape
-    fig, ax = plt.subplots(figsize=(11, max(2.5, min(7.0, 0.09 * n_req + 1.5))))
-    cmap = ListedColormap(["white", "#e6e6e6", "tab:orange", "tab:blue"])
-    ax.imshow(m, aspect="auto", interpolation="nearest", cmap=cmap, vmin=0, vmax=3)
-    wall = res["duration_s"]
-    ax.set_title(f"{_name(name)}: who was in each step's batch ({n_steps} steps, {wall:.1f} s, "
-                 f"mean batch {res['engine'].get('mean_batch_size') or 0:.1f})")
-    ax.set_xlabel("engine step")
-    ax.set_ylabel("request (arrival order)")
-    ax.legend(handles=[Patch(color="#e6e6e6", label="sent, not in this step\n(queued or stalled)"),
-                       Patch(color="tab:orange", label="prefill"), Patch(color="tab:blue", label="decode")],
-              loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False)
-    ax.yaxis.get_major_locator().set_params(integer=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def plot_kv_waste(table: dict[str, dict], order: list[str], path: Path) -> None:
-    names = [s for s in order if s in table and table[s]["engine"].get("kv_waste_paged") is not None]
-    if not names:
-        return
-    xs = np.arange(len(names))
-    paged = [table[s]["engine"]["kv_waste_paged"] * 100 for s in names]
-    contig = [(table[s]["engine"].get("kv_waste_contiguous") or 0) * 100 for s in names]
-    fig, ax = plt.subplots(figsize=(7.5, 3.8))
-    ax.bar(xs - 0.2, paged, 0.4, label="paged (blocks)", color="tab:green")
-    ax.bar(xs + 0.2, contig, 0.4, label="contiguous max_model_len reservation", color="tab:red")
-    ax.set_xticks(xs, [_name(s) for s in names])
-    ax.set_ylabel("KV slots reserved but empty (%)")
-    ax.set_ylim(0, 118)
-    ax.set_yticks(range(0, 101, 20))
-    ax.set_title("KV cache waste, mean over engine steps")
-    ax.legend(fontsize=8, loc="upper center", ncol=2, frameon=False)
-    ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-# --- the report ---------------------------------------------------------------------------------------
 def write_report(data: dict, out_dir: Path, command: str) -> Path:
-    """Write results.json, report.md and the PNGs into `out_dir`; return the report's path."""
+    """Write results.json, the PNGs and report.md into `out_dir`; return the report's path."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    spec, setup, runs = data["spec"], data["setup"], data["runs"]
-    table_rate = _rate(spec["table_rate"])
-    rates = sorted(_rate(r) for r in spec["request_rates"])
-    order = [BASELINE] + list(spec["strategies"])
-    table, sweep = organize(runs, table_rate)
-    baseline = table.get(BASELINE)
-    strategies_at_table = {s: r for s, r in table.items() if s != BASELINE}
-    # one noise floor for the whole session: the largest gap seen between identical schedules at any load
-    tolerance = max([TOLERANCE] + [noise_floor(at)[0] for at in [strategies_at_table, *_by_rate(sweep).values()]])
-    verdicts = evaluate(strategies_at_table, baseline, tolerance)
-    other_loads = {r: evaluate(at, None, tolerance) for r, at in _by_rate(sweep).items() if r != table_rate}
-    data = dict(data, command=command, verdicts=verdicts_json(verdicts),
-                verdicts_other_loads={_rate_label(r): verdicts_json(v) for r, v in other_loads.items()})
+    a = analyze(data)
+    data = dict(data, command=command, verdicts=verdicts_json(a.verdicts),
+                verdicts_other_loads={_rate_label(r): verdicts_json(v) for r, v in a.other_loads.items()})
     (out_dir / "results.json").write_text(json.dumps(data, indent=1))
+    occ = write_plots(a, out_dir)
+    path = out_dir / "report.md"
+    path.write_text("\n".join(markdown(a, data, command, occ)))
+    return path
 
-    plot_throughput(sweep, rates, order, baseline, out_dir / "throughput_vs_load.png")
-    plot_ttft(sweep, rates, order, baseline, out_dir / "ttft_p99_vs_load.png")
-    plot_kv_waste(table, order, out_dir / "kv_waste.png")
+
+def write_plots(a: Analysis, out_dir: Path) -> list[tuple[str, str]]:
+    """The report's PNGs; returns (strategy, file) of the occupancy plots drawn."""
+    plot_throughput(a.sweep, a.rates, a.order, a.baseline, out_dir / "throughput_vs_load.png")
+    plot_ttft(a.sweep, a.rates, a.order, a.baseline, out_dir / "ttft_p99_vs_load.png")
+    plot_kv_waste(a.table, a.order, out_dir / "kv_waste.png")
     occ = []
-    for s in order:
-        if s in table and table[s].get("steps"):
+    for s in a.order:
+        if s in a.table and a.table[s].get("steps"):
             fname = f"occupancy_{s}.png"
-            plot_occupancy(table[s], s, out_dir / fname)
+            plot_occupancy(a.table[s], s, out_dir / fname)
             occ.append((s, fname))
+    return occ
 
+
+def markdown(a: Analysis, data: dict, command: str, occ: list[tuple[str, str]]) -> list[str]:
+    """The report's lines: every statement computed from `a` and `data`."""
+    spec, setup, runs = data["spec"], data["setup"], data["runs"]
+    table_rate, rates, order, table, sweep = a.table_rate, a.rates, a.order, a.table, a.sweep
+    baseline, tolerance, verdicts, other_loads = a.baseline, a.tolerance, a.verdicts, a.other_loads
+    strategies_at_table = a.strategies_at_table
     w = spec["workload"]
     peaks = setup.get("peak_flops_samples") or [setup["peak_flops_per_s"]]
     gemm = spec.get("peak_matmul_size", 2048)
@@ -396,9 +232,7 @@ def write_report(data: dict, out_dir: Path, command: str) -> Path:
            "sent its last request, so that the last partial batch can go. Dynamic batching uses its timeout.",
            "- Numbers come from a shared, noisy machine; differences within a few percent are not meaningful.",
            ""]
-    path = out_dir / "report.md"
-    path.write_text("\n".join(md))
-    return path
+    return md
 
 
 def _workload_text(w: dict) -> str:

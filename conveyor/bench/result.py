@@ -128,6 +128,9 @@ def format_result(res: dict) -> str:
          f"{_num(_g(util.get('achieved_flops_per_s')))} / {_num(_g(util.get('peak_flops_per_s')))}"),
         ("MFU", _pct(util.get("mfu"))),
     ]
+    health = eng.get("health_latency_s")
+    if health and health.get("p50") is not None:
+        rows.append(("GET /health under load p50 / p99 (ms)", f"{_ms(health['p50'])} / {_ms(health['p99'])}"))
     phases = eng.get("step_phase_s")
     if phases and sum(phases.values()) > 0:
         total = sum(phases.values())

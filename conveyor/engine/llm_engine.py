@@ -1,7 +1,9 @@
 """The engine: one `step()` is schedule -> run -> update; everything else is bookkeeping.
 
-It is synchronous and single-threaded on purpose. The offline `LLM` drives it in a loop; the
-server's `AsyncEngine` drives it from its own thread.
+It is synchronous and single-threaded on purpose, and a closed box: callers add and abort requests,
+call `step()` (which returns a typed `StepOutput`), and read `snapshot()` / `info`; nothing outside
+`conveyor/engine/` touches the scheduler or the KV manager. The offline `LLM` steps it in a loop;
+the server and the lab drive it through `EngineLoop` (`engine_loop.py`), in a thread or a process.
 """
 
 from __future__ import annotations
@@ -11,16 +13,18 @@ import logging
 import time
 from dataclasses import dataclass
 
+import torch
+
 from conveyor.config import EngineConfig
-from conveyor.engine.output_processor import Detokenizer, check_stop, make_delta
+from conveyor.engine.output_processor import Detokenizer, apply_stop, make_delta
 from conveyor.kv_cache import KVCacheManager
 from conveyor.model.loader import load_checkpoint
 from conveyor.outputs import StepDelta
-from conveyor.request import Request
+from conveyor.request import Request, sequence_ids
 from conveyor.runner.model_runner import ModelRunner
 from conveyor.sampling_params import SamplingParams
 from conveyor.scheduler.core import Scheduler, Step
-from conveyor.scheduler.policies import make_policy
+from conveyor.scheduler.policies import Policy, make_policy
 
 log = logging.getLogger("conveyor.engine")
 
@@ -52,6 +56,67 @@ class StepStats:
         return self.start + self.duration
 
 
+@dataclass
+class StepOutput:
+    """What one `step()` produced: each sequence's new tokens and text, and the step's stats
+    (None when the policy scheduled nothing, e.g. a static batcher holding a partial batch back)."""
+
+    deltas: list[StepDelta]
+    stats: StepStats | None
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Counters and queue sizes at one moment, read between steps (metrics, the lab, the log)."""
+
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prompt_tokens: int
+    generation_tokens: int
+    preemptions: int
+    prefix_queries: int
+    prefix_hits: int
+    phase_seconds: tuple[tuple[str, float], ...]
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the engine was built with; fixed for its life, and small enough to send between processes."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    device: str
+    dtype: str
+    weight_dtype: str
+    kv_cache_dtype: str
+    block_size: int
+    num_kv_blocks: int
+    bytes_per_block: int
+    batch_invariant: bool
+    attention_backend: str
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        return self.num_kv_blocks * self.block_size
+
+
+def validate_prompt(token_ids: list[int], info: EngineInfo) -> None:
+    """Raise ValueError if the engine `info` describes cannot take this prompt (also used by the
+    HTTP side, so that bad input never reaches the engine, wherever it runs)."""
+    if not token_ids:
+        raise ValueError("prompt must not be empty")
+    vocab = info.vocab_size
+    if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in token_ids):
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+    if len(token_ids) >= info.max_model_len:
+        raise ValueError(f"prompt is {len(token_ids)} tokens long, which leaves no room to generate "
+                         f"within max_model_len ({info.max_model_len})")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -70,35 +135,46 @@ class LLMEngine:
             self.max_model_len = config.max_model_len
         else:
             self.max_model_len = min(model_ctx, pool_tokens)
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv, make_policy(config), self.max_model_len)
         self.detok = Detokenizer(self.tokenizer)
         self.eos_token_ids = frozenset(ckpt.config.eos_token_ids)
         self._ids = itertools.count()
-        self.step_stats: list[StepStats] = []
-        self.record_steps = False
-        self.total_prompt_tokens = 0
-        self.total_generation_tokens = 0
-        self.phase_seconds = dict.fromkeys(STEP_PHASES, 0.0)  # cumulative, for the log, /metrics and the lab
+        self.reset(config)
+        r = self.runner
+        self.info = EngineInfo(
+            model_name=self.model_name, max_model_len=self.max_model_len, vocab_size=ckpt.config.vocab_size,
+            eos_token_ids=tuple(ckpt.config.eos_token_ids), device=str(r.device),
+            dtype=str(r.dtype).removeprefix("torch."), weight_dtype=r.weight_dtype, kv_cache_dtype=r.kv_dtype_name,
+            block_size=config.block_size, num_kv_blocks=r.num_blocks, bytes_per_block=r.bytes_per_block,
+            batch_invariant=r.batch_invariant, attention_backend=r.attention_backend)
         log.info("model %s on %s/%s: KV cache %d blocks x %d tokens = %d tokens (%.2f GiB), max_model_len %d, "
                  "scheduler %s, loaded in %.1fs", config.model, self.runner.device, self.runner.dtype,
                  self.runner.num_blocks, config.block_size, pool_tokens,
                  self.runner.num_blocks * self.runner.bytes_per_block / 2**30, self.max_model_len,
                  config.scheduler, time.perf_counter() - t0)
 
+    def reset(self, config: EngineConfig | None = None) -> None:
+        """A fresh scheduler, policy and (empty) KV manager, optionally for another `config` with the
+        same model and pool (the lab runs every strategy on one model load). The KV tensors need no
+        clearing: every slot is written before it is read. Counters start from zero."""
+        if getattr(self, "scheduler", None) is not None and self.has_unfinished_requests():
+            raise RuntimeError("cannot reset an engine that still has requests")
+        if config is not None:
+            self.config = config
+        config = self.config
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv, make_policy(config), self.max_model_len)
+        self.total_prompt_tokens = 0
+        self.total_generation_tokens = 0
+        self.phase_seconds = dict.fromkeys(STEP_PHASES, 0.0)  # cumulative, for the log, /metrics and the lab
+        if config.seed is not None:  # as vLLM's --seed: requests without a seed draw from this generator
+            torch.manual_seed(config.seed)
+
     # --- requests -----------------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
-    def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
-        if not token_ids:
-            raise ValueError("prompt must not be empty")
-        vocab = self.model_config.vocab_size
-        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt is {len(token_ids)} tokens long, which leaves no room to generate "
-                             f"within max_model_len ({self.max_model_len})")
+    def validate_prompt(self, token_ids: list[int], params: SamplingParams | None = None) -> None:
+        validate_prompt(token_ids, self.info)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     priority: int = 0, arrival_time: float | None = None,
@@ -108,12 +184,13 @@ class LLMEngine:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self.scheduler.requests:
+        ids = sequence_ids(request_id, params.n)
+        if any(rid in self.scheduler.requests for rid in ids):
             raise ValueError(f"request_id {request_id!r} is already in use")
         arrival = arrival_time if arrival_time is not None else time.monotonic()
+        self.scheduler.input_ended = False  # more input came: `end_input()` must be said again
         reqs = []
-        for i in range(params.n):
-            rid = request_id if params.n == 1 else f"{request_id}#{i}"
+        for i, rid in enumerate(ids):
             req = Request(rid, list(prompt_token_ids), params.for_sample(i) if params.n > 1 else params,
                           eos_token_ids=self.eos_token_ids, parent_id=request_id if params.n > 1 else None,
                           index=i, priority=priority, arrival_time=arrival, cache_salt=cache_salt,
@@ -122,23 +199,42 @@ class LLMEngine:
             reqs.append(req)
         return reqs
 
-    def abort_request(self, request_id: str) -> list[Request]:
-        """Abort a request (all n of its sequences); frees their KV blocks at once."""
-        ids = [rid for rid in list(self.scheduler.requests)
-               if rid == request_id or rid.startswith(request_id + "#")]
+    def abort_request(self, request_id: str) -> list[StepDelta]:
+        """Abort a request (all n of its sequences); frees their KV blocks at once. Returns a final
+        delta (finish_reason "abort") for each sequence that was still unfinished."""
         out = []
-        for rid in ids:
+        for rid in list(self.scheduler.requests):
+            if rid != request_id and not rid.startswith(request_id + "#"):
+                continue
             req = self.scheduler.abort(rid)
             if req is not None:
                 self.detok.release(rid)
-                out.append(req)
+                out.append(make_delta(req, [], "", None))
         return out
+
+    def abort_all(self) -> list[StepDelta]:
+        """Abort every request (shutdown, or a lab run that ends): their final "abort" deltas."""
+        return [d for rid in list(self.scheduler.requests) for d in self.abort_request(rid)]
+
+    def end_input(self) -> None:
+        """No more requests are coming (offline): a static batcher without a flush timer may run its
+        last, partial batch. Cleared by the next `add_request`."""
+        self.scheduler.input_ended = True
+
+    @property
+    def waits_for_end_of_input(self) -> bool:
+        """True for a policy that only flushes a partial batch once told `end_input()` (static, no timer)."""
+        return getattr(self.scheduler.policy, "flush_after_s", 0) is None
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    @property
+    def policy(self) -> Policy:
+        return self.scheduler.policy
+
     # --- the step -----------------------------------------------------------------------------------
-    def step(self) -> list[StepDelta]:
+    def step(self) -> StepOutput:
         start = time.monotonic()
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
@@ -152,9 +248,8 @@ class LLMEngine:
                   "update": time.perf_counter() - t2 + max(t2 - t1 - prepare - forward - lm_head - sample, 0.0)}
         for k, v in phases.items():
             self.phase_seconds[k] += v
-        if self.record_steps:
-            self._record(plan, start, phases)
-        return deltas
+        stats = self._stats(plan, start, phases) if plan.items else None
+        return StepOutput(deltas, stats)
 
     def _update(self, plan: Step, result) -> list[StepDelta]:
         token_ids = result.token_ids if result else []
@@ -170,13 +265,8 @@ class LLMEngine:
                 req.cumulative_logprob += slp
             self.total_generation_tokens += 1
             piece = self.detok.decode_token(req, tok)
-            req.output_text += piece
-            stop = check_stop(req, tok, piece, self.max_model_len)
+            stop = apply_stop(req, tok, piece, self.max_model_len)
             if stop is not None:
-                if stop[0] == "stop" and not isinstance(stop[1], str) and piece \
-                        and not req.params.include_stop_str_in_output:
-                    # as vLLM: a stop token (EOS or stop_token_ids) adds no text
-                    req.output_text = req.output_text[: len(req.output_text) - len(piece)]
                 self.scheduler.finish(req, stop[0], stop[1])
             text = self.detok.take_new_text(req, final=stop is not None)
             deltas.append(make_delta(req, [tok], text, lp))
@@ -184,14 +274,14 @@ class LLMEngine:
                 self.detok.release(req.request_id)
         return deltas
 
-    def _record(self, plan: Step, start: float, phases: dict[str, float]) -> None:
+    def _stats(self, plan: Step, start: float, phases: dict[str, float]) -> StepStats:
         bs = self.config.block_size
         tables = self.kv.block_tables
         # empty slots = the unfilled tail of each request's last block; shared full blocks waste nothing
         empty = sum(max(len(tables.get(r.request_id, ())) * bs - r.num_computed_tokens, 0)
                     for r in self.scheduler.running)
         used_blocks = self.kv.pool.num_used
-        self.step_stats.append(StepStats(
+        return StepStats(
             index=self.scheduler.step_count, start=start, duration=time.monotonic() - start,
             num_seqs=len(plan.items), num_tokens=plan.num_tokens,
             num_prefill_tokens=sum(it.num_tokens for it in plan.items if it.num_tokens > 1),
@@ -199,9 +289,17 @@ class LLMEngine:
             kv_used_blocks=used_blocks, kv_used_slots=used_blocks * bs - empty,
             num_running=self.num_running, num_waiting=self.num_waiting,
             logical_tokens=sum(r.num_computed_tokens for r in self.scheduler.running), phases=phases,
-        ))
+        )
 
-    # --- introspection for metrics ------------------------------------------------------------------
+    # --- read-only views ------------------------------------------------------------------------------
+    def snapshot(self) -> EngineSnapshot:
+        return EngineSnapshot(
+            running=self.num_running, waiting=self.num_waiting, kv_blocks_used=self.kv.pool.num_used,
+            kv_blocks_total=self.kv.pool.num_blocks, prompt_tokens=self.total_prompt_tokens,
+            generation_tokens=self.total_generation_tokens, preemptions=self.scheduler.num_preemptions,
+            prefix_queries=self.kv.prefix_queries, prefix_hits=self.kv.prefix_hits,
+            phase_seconds=tuple(self.phase_seconds.items()))
+
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)

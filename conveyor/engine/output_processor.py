@@ -1,4 +1,8 @@
-"""Detokenize new tokens incrementally and decide whether a sequence is done.
+"""Detokenize new tokens incrementally, decide whether a sequence is done, and assemble outputs.
+
+Stop handling lives here in one place (`apply_stop`), and so does output assembly: a
+`RequestOutputBuilder` turns a request's stream of `StepDelta`s into the `RequestOutput` that
+`LLM.generate` returns and the server's non-streaming responses are built from.
 
 `tokenizers`' DecodeStream holds back bytes until they form whole UTF-8 characters, so a
 streamed emoji or CJK character is never split. Stop strings are searched in the new text plus
@@ -10,8 +14,8 @@ from __future__ import annotations
 
 from tokenizers.decoders import DecodeStream
 
-from conveyor.outputs import StepDelta
-from conveyor.request import Request
+from conveyor.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepDelta
+from conveyor.request import Request, sequence_ids
 
 _PREFILL_CONTEXT = 8  # prompt tokens fed to the decoder so the first word gets its leading space
 
@@ -81,7 +85,22 @@ def check_stop(req: Request, token: int, new_text: str, max_model_len: int) -> t
     return None
 
 
+def apply_stop(req: Request, token: int, piece: str, max_model_len: int) -> tuple[str, int | str | None] | None:
+    """Append `token`'s text to the output and decide whether `req` stops: (finish_reason,
+    stop_reason) or None. Trims a stop string (unless it is to be included) and, as vLLM does, the
+    text of a stop token (EOS or `stop_token_ids`)."""
+    req.output_text += piece
+    stop = check_stop(req, token, piece, max_model_len)
+    if stop is not None and stop[0] == "stop" and not isinstance(stop[1], str) and piece \
+            and not req.params.include_stop_str_in_output:
+        req.output_text = req.output_text[: len(req.output_text) - len(piece)]
+    return stop
+
+
 def make_delta(req: Request, new_tokens: list[int], new_text: str, logprob: dict | None) -> StepDelta:
+    # a sequence's last delta carries what the caller's metrics need from the engine's side
+    extra = {"first_scheduled_time": req.first_scheduled_time, "num_cached_tokens": req.num_cached_tokens,
+             "num_preemptions": req.num_preemptions} if req.finish_reason is not None else {}
     return StepDelta(
         request_id=req.request_id,
         group_id=req.group_id,
@@ -91,4 +110,51 @@ def make_delta(req: Request, new_tokens: list[int], new_text: str, logprob: dict
         new_logprobs=[logprob] if logprob is not None else None,
         finish_reason=req.finish_reason,
         stop_reason=req.stop_reason,
+        extra=extra,
     )
+
+
+class RequestOutputBuilder:
+    """Accumulates one request's deltas (all n of its sequences) into a `RequestOutput`."""
+
+    def __init__(self, request_id: str, n: int, prompt: str | None, prompt_token_ids: list[int],
+                 logprobs: bool = False) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.outputs = {sid: CompletionOutput(index=i, text="", token_ids=[],
+                                              cumulative_logprob=0.0 if logprobs else None,
+                                              logprobs=[] if logprobs else None)
+                        for i, sid in enumerate(sequence_ids(request_id, n))}
+        self.metrics: RequestMetrics | None = None
+        self._text: dict[str, list[str]] = {sid: [] for sid in self.outputs}
+
+    def add(self, d: StepDelta) -> None:
+        out = self.outputs[d.request_id]
+        out.token_ids.extend(d.new_token_ids)
+        self._text[d.request_id].append(d.new_text)
+        if d.new_logprobs and out.logprobs is not None:
+            out.logprobs.extend(d.new_logprobs)
+            for lp, tok in zip(d.new_logprobs, d.new_token_ids):
+                out.cumulative_logprob += lp.get(tok, 0.0)
+        if d.finished:
+            out.finish_reason, out.stop_reason = d.finish_reason, d.stop_reason
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finish_reason is not None for o in self.outputs.values())
+
+    def build(self) -> RequestOutput:
+        for sid, out in self.outputs.items():
+            out.text = "".join(self._text[sid])
+        return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+                             outputs=list(self.outputs.values()), finished=self.finished, metrics=self.metrics)
+
+
+def request_metrics(reqs: list[Request]) -> RequestMetrics:
+    """Timestamps and counts of a request's sequences, for `RequestOutput.metrics`."""
+    r0 = reqs[0]
+    return RequestMetrics(r0.arrival_time, r0.first_scheduled_time, r0.first_token_time,
+                          max((r.last_token_time or 0) for r in reqs) or None,
+                          max((r.finished_time or 0) for r in reqs) or None,
+                          r0.num_cached_tokens, sum(r.num_preemptions for r in reqs))

@@ -72,9 +72,6 @@ class KVCacheManager:
         self.prefix_queries += num_query_tokens
         self.prefix_hits += num_hit_tokens
 
-    def can_allocate(self, req: Request, num_new_tokens: int, cached: list[int] = ()) -> bool:
-        return self._blocks_needed(req, num_new_tokens, cached) <= self.pool.num_free
-
     def _blocks_needed(self, req: Request, num_new_tokens: int, cached: list[int]) -> int:
         table = self.block_tables.get(req.request_id, [])
         total = req.num_computed_tokens + len(cached) * self.block_size + num_new_tokens

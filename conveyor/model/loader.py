@@ -102,6 +102,15 @@ def load_checkpoint(model: str, tokenizer: str | None = None, quantization: str 
                             quantized=quantized)
 
 
+def load_tokenizer(model: str, tokenizer: str | None = None):
+    """Only the tokenizer `load_checkpoint` would give (the HTTP side of a server whose engine runs
+    in another process needs it, not the weights)."""
+    if tokenizer is not None:
+        return _hf_tokenizer(tokenizer)
+    kind, path = resolve(model)
+    return _gguf_tokenizer(path) if kind == "gguf" else _hf_tokenizer(str(path))
+
+
 def _hf_tokenizer(path: str):
     from transformers import AutoTokenizer
 

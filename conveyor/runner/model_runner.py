@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import mmap
 import time
-from dataclasses import dataclass
 
 import psutil
 import torch
@@ -26,7 +25,7 @@ from conveyor.model.quantization import (
     quantize_model,
     tune_dense_threshold,
 )
-from conveyor.request import Request
+from conveyor.request import ScheduledItem
 from conveyor.runner.sampler import SampleResult, sample
 
 log = logging.getLogger("conveyor.runner")
@@ -69,18 +68,6 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
-
-
-@dataclass
-class ScheduledItem:
-    """One request's share of a step: feed `num_tokens` tokens starting at its `num_computed_tokens`."""
-
-    request: Request
-    num_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
 
 
 class ModelRunner:

@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 
 from conveyor.config import EngineConfig
 from conveyor.kv_cache import KVCacheManager
-from conveyor.request import Request, Status
-from conveyor.runner.model_runner import ScheduledItem
+from conveyor.request import Request, ScheduledItem, Status
 
 
 @dataclass
@@ -101,7 +100,6 @@ class Scheduler:
         req.finished_time = self.clock()
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
-        self.policy.on_finish(self, req)
 
     def preempt(self, req: Request, step: Step) -> None:
         """Recompute-style preemption: drop its KV, send it to the head of the queue."""

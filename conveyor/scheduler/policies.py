@@ -10,9 +10,15 @@
 
 from __future__ import annotations
 
-from conveyor.config import EngineConfig
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 from conveyor.request import Request, Status
 from conveyor.scheduler.core import Scheduler, Step
+
+if TYPE_CHECKING:
+    from conveyor.config import EngineConfig
 
 
 class Policy:
@@ -20,9 +26,6 @@ class Policy:
 
     def schedule(self, s: Scheduler, step: Step) -> None:
         raise NotImplementedError
-
-    def on_finish(self, s: Scheduler, req: Request) -> None:
-        pass
 
 
 class ContinuousPolicy(Policy):
@@ -167,11 +170,69 @@ class IterationPolicy(Policy):
         return sorted(waiting, key=key)
 
 
+# --- the registry: one table for the engine, the CLI and the lab ----------------------------------------
+@dataclass(frozen=True)
+class Option:
+    """A policy knob: the `EngineConfig` field of this name, and the CLI flag `--name-with-dashes`."""
+
+    name: str
+    type: type
+    help: str
+    cli_default: object = None  # the CLI's default where it differs from EngineConfig's (servers, the lab)
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    name: str
+    summary: str
+    options: tuple[Option, ...]
+    build: Callable[[EngineConfig], Policy]
+
+
+BATCH_SIZE = Option("batch_size", int, "static/dynamic: requests per batch")
+STATIC_FLUSH_MS = Option("static_flush_ms", float, "static: run a partial batch once its oldest request waited "
+                         "this long, in ms (0 or unset: only when the batch fills or the input ends)", 1000.0)
+BATCH_TIMEOUT_MS = Option("batch_timeout_ms", float, "dynamic: the longest the oldest request waits for a batch, ms")
+PARTIAL_PREFILLS = Option("max_num_partial_prefills", int, "iteration: long prompts prefilled at once")
+LONG_PREFILL = Option("long_prefill_token_threshold", int,
+                      "iteration: a prompt longer than this counts as long (0: max_num_batched_tokens / 8)")
+AGING_STEPS = Option("priority_aging_steps", int, "iteration: steps of waiting that earn one priority level")
+
+
+def _flush_s(config: EngineConfig) -> float | None:
+    ms = config.static_flush_ms
+    return ms / 1000.0 if ms else None
+
+
+POLICIES: dict[str, PolicySpec] = {spec.name: spec for spec in (
+    PolicySpec("static", "run-to-completion batches of batch_size", (BATCH_SIZE, STATIC_FLUSH_MS),
+               lambda c: StaticPolicy(c.batch_size, _flush_s(c))),
+    PolicySpec("dynamic", "run-to-completion batches at batch_size or after batch_timeout_ms",
+               (BATCH_SIZE, BATCH_TIMEOUT_MS), lambda c: DynamicPolicy(c.batch_size, c.batch_timeout_ms / 1000)),
+    PolicySpec("continuous", "join and leave at every step, prompts prefilled whole first", (),
+               lambda c: ContinuousPolicy()),
+    PolicySpec("iteration", "one token budget per step: decodes first, chunked prefill, priorities with aging",
+               (PARTIAL_PREFILLS, LONG_PREFILL, AGING_STEPS), IterationPolicy),
+)}
+
+
+def all_options() -> list[Option]:
+    """Every policy option once, in table order (the CLI adds one flag for each)."""
+    seen: dict[str, Option] = {}
+    for spec in POLICIES.values():
+        for opt in spec.options:
+            seen.setdefault(opt.name, opt)
+    return list(seen.values())
+
+
+def policy_options(config: EngineConfig) -> dict[str, object]:
+    """The options of `config`'s policy, with their values (what the lab's reports show)."""
+    return {o.name: getattr(config, o.name) for o in POLICIES[config.scheduler].options}
+
+
 def make_policy(config: EngineConfig) -> Policy:
-    if config.scheduler == "static":
-        return StaticPolicy(config.batch_size, config.extra.get("static_flush_after_s"))
-    if config.scheduler == "dynamic":
-        return DynamicPolicy(config.batch_size, config.batch_timeout_ms / 1000)
-    if config.scheduler == "continuous":
-        return ContinuousPolicy()
-    return IterationPolicy(config)
+    return POLICIES[config.scheduler].build(config)

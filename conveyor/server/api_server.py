@@ -28,10 +28,11 @@ from starlette.responses import JSONResponse, Response
 
 import conveyor
 from conveyor.config import EngineConfig
+from conveyor.engine.engine_loop import EngineClient, InlineEngineClient, ProcessEngineClient, ThreadEngineClient
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.server import protocol as P
-from conveyor.server.async_engine import AsyncEngine, EngineThread
-from conveyor.server.metrics import CONTENT_TYPE, EngineInfo, ServerMetrics
+from conveyor.server.async_engine import AsyncEngine
+from conveyor.server.metrics import CONTENT_TYPE, ServerMetrics
 from conveyor.server.serving import ApiError, OpenAIServing, bad_request
 
 log = logging.getLogger("conveyor.server")
@@ -45,7 +46,7 @@ class ServerArgs:
     port: int = 8000
     api_key: str | None = None
     max_queued_requests: int | None = 1024
-    engine_loop: str = "thread"  # "inline" runs steps on the event loop (the naive design, for comparison)
+    engine_loop: str = "thread"  # thread | process | inline (see conveyor/engine/engine_loop.py)
     max_request_bytes: int = 8 * 2**20
     shutdown_timeout: float = 10.0
     log_interval: float = 10.0
@@ -67,10 +68,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $CONVEYOR_API_KEY)")
     g.add_argument("--max-queued-requests", type=int, default=1024,
                    help="waiting sequences beyond which new requests get 429")
-    g.add_argument("--static-flush-ms", type=float, default=1000.0,
-                   help="static scheduler: run a partial batch once its oldest request waited this long")
-    g.add_argument("--engine-loop", default="thread", choices=["thread", "inline"],
-                   help="where engine steps run: a dedicated thread (default) or the event loop (for comparison)")
+    g.add_argument("--engine-loop", default="thread", choices=["thread", "process", "inline"],
+                   help="where the engine loop runs: a thread of the server process, its own process, or the "
+                        "event loop itself (the naive design, for comparison); docs/engine-loop.md has the "
+                        "measurements behind the default (default: thread)")
     g.add_argument("--max-request-bytes", type=int, default=8 * 2**20, help="larger bodies get 413")
     g.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests get to finish on SIGTERM/SIGINT before they are aborted")
@@ -102,23 +103,31 @@ async def read_json(request: Request, limit: int) -> dict:
     return data
 
 
+def make_client(config: EngineConfig, where: str, engine: LLMEngine | None = None) -> EngineClient:
+    """Start the engine loop `where` (thread | process | inline); `engine`: an already built engine."""
+    if where == "process":
+        if engine is not None:
+            raise ValueError("an engine built in this process cannot run in another one")
+        return ProcessEngineClient(config)
+    if where == "inline":
+        return InlineEngineClient(engine or LLMEngine(config))
+    if where != "thread":
+        raise ValueError(f"engine loop must be thread, process or inline, got {where!r}")
+    # thread: the model is built in the thread that will step it (OpenMP: see engine_loop.py)
+    return ThreadEngineClient(engine if engine is not None else (lambda: LLMEngine(config)))
+
+
 def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Namespace | None = None,
               engine: LLMEngine | None = None) -> FastAPI:
     """Load the engine (unless given) and wire the routes; the engine thread starts with the app."""
     args = server_args if isinstance(server_args, ServerArgs) else (
         ServerArgs.from_namespace(server_args) if server_args is not None else ServerArgs())
-    owner = None
-    if engine is None and args.engine_loop == "thread":  # load in the thread that will step it
-        owner = EngineThread(lambda: LLMEngine(engine_config))
-        engine = owner.wait_built()
-    engine = engine or LLMEngine(engine_config)
-    aengine = AsyncEngine(engine, max_queued_requests=args.max_queued_requests, mode=args.engine_loop,
-                          log_interval_s=args.log_interval, owner=owner)
-    r = engine.runner
-    metrics = ServerMetrics(engine.model_name, aengine.stats,
-                            EngineInfo(r.weight_dtype, r.kv_dtype_name, r.block_size, r.num_blocks * r.block_size))
+    client = make_client(engine_config, args.engine_loop, engine)
+    info = client.info
+    aengine = AsyncEngine(client, max_queued_requests=args.max_queued_requests, log_interval_s=args.log_interval)
+    metrics = ServerMetrics(info.model_name, aengine.stats, info)
     aengine.metrics = metrics
-    serving = OpenAIServing(aengine, [engine.model_name])
+    serving = OpenAIServing(aengine, [info.model_name])
     logging.getLogger("conveyor.server.requests").disabled = args.disable_log_requests
 
     @asynccontextmanager
@@ -171,7 +180,7 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         check_key(request)
-        cards = [P.ModelCard(id=name, root=engine_config.model, max_model_len=engine.max_model_len)
+        cards = [P.ModelCard(id=name, root=engine_config.model, max_model_len=info.max_model_len)
                  for name in serving.model_names]
         return Response(P.ModelList(data=cards).model_dump_json(), media_type="application/json")
 
@@ -221,8 +230,7 @@ def run_server(args: argparse.Namespace) -> int:
 
     if getattr(args, "log_level", "WARNING").upper() == "WARNING":  # the CLI default: a server logs at INFO
         logging.getLogger("conveyor").setLevel(logging.INFO)
-    extra = {"static_flush_after_s": args.static_flush_ms / 1000.0}
-    cfg = engine_config_from_args(args, served_model_name=args.served_model_name, extra=extra)
+    cfg = engine_config_from_args(args, served_model_name=args.served_model_name)
     sargs = ServerArgs.from_namespace(args)
     app = build_app(cfg, sargs)
     server = GracefulServer(app, sargs.shutdown_timeout, host=sargs.host, port=sargs.port,

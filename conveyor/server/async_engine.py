@@ -1,46 +1,44 @@
-"""`AsyncEngine`: the synchronous `LLMEngine` driven from one dedicated thread, fed by asyncio.
+"""`AsyncEngine`: the asyncio face of the engine loop, for the HTTP side.
 
-Why a thread: a step is mostly torch work that releases the GIL, and the HTTP side (JSON,
-tokenization, SSE framing for many clients) is pure Python. Running steps on the event loop
-would stall every socket for a whole step and stall the engine while a big body is parsed; with
-the engine in its own thread the two overlap. `--engine-loop inline` keeps the naive design for
-the comparison in `benchmarks/serve_load.py`.
-
-The engine is not thread-safe, so every engine call happens on the engine thread:
-- the HTTP side appends `add` / `abort` commands to a deque and sets an Event; the engine thread
-  drains the deque between steps (so an abort lands within one step and frees its blocks);
-- after each step the engine thread hands that step's deltas to the event loop in one
-  `call_soon_threadsafe`, which routes them to per-call asyncio queues;
-- with nothing to do the thread sleeps on the Event; when a static/dynamic policy holds a partial
-  batch back (an empty step) it naps `idle_poll_s` or until the next command;
-- if a step raises, the engine is marked dead: health turns 503, new calls get `EngineDeadError`
-  and every open call receives it too.
-Validation (sampling params, tokenization, chat templates, `validate_prompt`) is the HTTP side's
-job, so bad input never reaches this thread.
+The engine itself runs in an `EngineLoop` (`conveyor/engine/engine_loop.py`), in a thread of this
+process or in its own process (`--engine-loop thread|process`); this class only speaks the loop's
+typed messages:
+- `submit` sends an `AddRequest` per prompt and returns a `Submission`, an async iterator of that
+  call's `StepDelta`s; closing it (client gone, error, shutdown) sends `AbortRequest`s;
+- every `LoopOutput` the loop emits is handed to the event loop in one `call_soon_threadsafe`, which
+  routes its deltas to their submissions and publishes its snapshot for `/metrics` and the log;
+- if the engine dies (a step raised, the engine process was killed), health turns 503, new calls
+  get `EngineDeadError` and every open call receives it too.
+Validation (sampling params, tokenization, chat templates, prompt length) is the HTTP side's job,
+done with the engine's `EngineInfo`, so bad input never reaches the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from conveyor.engine.llm_engine import LLMEngine
+from conveyor.engine.engine_loop import (
+    AbortRequest,
+    AddRequest,
+    EngineClient,
+    EngineDeadError,
+    InlineEngineClient,
+    LoopOutput,
+    Stop,
+)
 from conveyor.outputs import StepDelta
-from conveyor.request import Request
+from conveyor.request import sequence_ids
 from conveyor.sampling_params import SamplingParams
 from conveyor.server.metrics import EngineStats, ServerMetrics
 
 log = logging.getLogger("conveyor.server")
 request_log = logging.getLogger("conveyor.server.requests")
 
-
-class EngineDeadError(RuntimeError):
-    """The engine thread has stopped (crashed or shut down); nothing more will be generated."""
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineInput", "QueueFullError", "Submission"]
 
 
 class QueueFullError(RuntimeError):
@@ -82,7 +80,6 @@ class Submission:
         self.arrival = arrival
         self.queue: asyncio.Queue[StepDelta | BaseException] = asyncio.Queue()
         self.seqs: dict[str, _Seq] = {}
-        self.requests: dict[str, Request] = {}  # sequence id -> Request, filled in by the engine thread
         self.remaining = sum(inp.params.n for inp in inputs)
         self.closed = False
 
@@ -103,9 +100,8 @@ class Submission:
             seq.finish_reason = d.finish_reason
             self.remaining -= 1
             if metrics is not None:
-                req = self.requests.get(d.request_id)
-                queued = (req.first_scheduled_time - self.arrival
-                          if req is not None and req.first_scheduled_time is not None else None)
+                scheduled = d.extra.get("first_scheduled_time")
+                queued = scheduled - self.arrival if scheduled is not None else None
                 metrics.observe_finish(d.finish_reason, None if seq.first_t is None else seq.first_t - self.arrival,
                                        t - self.arrival, queued)
         self.queue.put_nowait(d)
@@ -128,14 +124,10 @@ class Submission:
         if self.closed:
             return
         self.closed = True
-        self.engine._subs.pop(self.api_id, None)
-        for inp in self.inputs:
-            self.engine._group_to_sub.pop(inp.request_id, None)
+        self.engine.release(self, abort=self.remaining > 0)
         if self.remaining > 0:
             for inp in self.inputs:
-                self.engine._abort(inp.request_id)
-            for inp in self.inputs:
-                for sid in _seq_ids(inp):
+                for sid in sequence_ids(inp.request_id, inp.params.n):
                     seq = self.seqs.setdefault(sid, _Seq(self.arrival))
                     if seq.finish_reason is None:
                         seq.finish_reason = "abort"
@@ -159,11 +151,6 @@ class Submission:
         self.close()
 
 
-def _seq_ids(inp: EngineInput) -> list[str]:
-    n = inp.params.n
-    return [inp.request_id] if n == 1 else [f"{inp.request_id}#{i}" for i in range(n)]
-
-
 @dataclass
 class _Counters:
     steps: int = 0
@@ -176,114 +163,47 @@ class _Counters:
     last_log_phases: dict = field(default_factory=dict)
 
 
-class EngineThread:
-    """The thread that owns the engine's torch work from loading to the last step.
-
-    OpenMP gives every thread that opens parallel regions its own team of workers. If the model is
-    loaded in the main thread and stepped in another, the main thread's idle team slows every step
-    of the other: single-stream decode of SmolLM2 took 27-29 ms a step instead of 20-21 ms (AMD
-    EPYC, 2 cores, `benchmarks/step_profile.py`-style loop, min of 6 runs). So `conveyor serve`
-    builds the engine here, and `AsyncEngine` then runs its loop in this same thread.
-    """
-
-    def __init__(self, build: Callable[[], LLMEngine]) -> None:
-        self._build = build
-        self._loop_fn: Callable[[], None] | None = None
-        self._go = threading.Event()
-        self._built = threading.Event()
-        self._error: BaseException | None = None
-        self.engine: LLMEngine | None = None
-        self.thread = threading.Thread(target=self._main, name="conveyor-engine", daemon=True)
-        self.thread.start()
-
-    def _main(self) -> None:
-        try:
-            self.engine = self._build()
-        except BaseException as e:  # noqa: BLE001 - reported to the caller of wait_built()
-            self._error = e
-            return
-        finally:
-            self._built.set()
-        self._go.wait()
-        if self._loop_fn is not None:
-            self._loop_fn()
-
-    def wait_built(self) -> LLMEngine:
-        self._built.wait()
-        if self._error is not None:
-            raise self._error
-        return self.engine
-
-    def run(self, fn: Callable[[], None]) -> threading.Thread:
-        """Run `fn` (the engine loop) in this thread; returns the thread, to join."""
-        self._loop_fn = fn
-        self._go.set()
-        return self.thread
-
-    def close(self) -> None:
-        """Let the thread end without running a loop (the app never started)."""
-        self._go.set()
-
-
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None, max_queued_requests: int | None = None,
-                 mode: str = "thread", log_interval_s: float = 10.0, idle_poll_s: float = 0.001,
-                 owner: EngineThread | None = None) -> None:
-        if mode not in ("thread", "inline"):
-            raise ValueError(f"engine loop mode must be 'thread' or 'inline', got {mode!r}")
-        self.engine = engine
+    def __init__(self, client: EngineClient, metrics: ServerMetrics | None = None,
+                 max_queued_requests: int | None = None, log_interval_s: float = 10.0) -> None:
+        self.client = client
+        self.info = client.info
+        self.tokenizer = client.tokenizer
         self.metrics = metrics
         self.max_queued_requests = max_queued_requests
-        self.mode = mode
         self.log_interval_s = log_interval_s
-        self.idle_poll_s = idle_poll_s
-        self.owner = owner  # the thread that built the engine: the loop runs there (thread mode)
-        self.engine.record_steps = True  # we read (and clear) the last StepStats after each step
-        self._commands: deque[tuple] = deque()
-        self._num_pending_adds = 0  # sequences submitted but not yet drained
-        self._pending_lock = threading.Lock()
-        self._wake = threading.Event()
-        self._async_wake: asyncio.Event | None = None
+        self._num_pending_adds = 0  # sequences sent but not yet taken in by the engine
         self._subs: dict[str, Submission] = {}
         self._group_to_sub: dict[str, Submission] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._task: asyncio.Task | None = None
         self._stopping = False
-        self.error: BaseException | None = None
         self._c = _Counters()
-        self._stats = EngineStats(kv_blocks_total=engine.kv.pool.num_blocks)
+        self._stats = EngineStats(kv_blocks_total=client.info.num_kv_blocks)
+        client.on_output = self._on_output_threadsafe
 
     # --- lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        if self.mode == "thread" and self.owner is not None:
-            self._thread = self.owner.run(self._thread_main)
-        elif self.mode == "thread":
-            self._thread = threading.Thread(target=self._thread_main, name="conveyor-engine", daemon=True)
-            self._thread.start()
-        else:
-            if self.owner is not None:
-                self.owner.close()
-            self._async_wake = asyncio.Event()
-            self._task = asyncio.create_task(self._inline_main())
+        self.client.start()
 
     async def stop(self, timeout: float = 10.0) -> None:
-        """Stop stepping, abort whatever is left (freeing its blocks) and fail open calls."""
+        """Stop the loop (it aborts whatever is left, freeing its blocks) and fail open calls."""
         self._stopping = True
-        self._notify()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, timeout)
-        if self._task is not None:
-            await asyncio.wait({self._task}, timeout=timeout)
+        self.client.send(Stop())
+        if isinstance(self.client, InlineEngineClient) and self.client.task is not None:
+            await asyncio.wait({self.client.task}, timeout=timeout)
+        else:
+            await asyncio.to_thread(self.client.join, timeout)
         for sub in list(self._subs.values()):
             sub._fail(EngineDeadError("the server is shutting down"))
 
     @property
     def alive(self) -> bool:
-        running = ((self._thread is not None and self._thread.is_alive())
-                   or (self._task is not None and not self._task.done()))
-        return self.error is None and not self._stopping and running
+        return self.client.alive and not self._stopping
+
+    @property
+    def error(self) -> str | None:
+        return self.client.error
 
     def stats(self) -> EngineStats:
         return self._stats
@@ -292,7 +212,7 @@ class AsyncEngine:
     def submit(self, api_id: str, inputs: list[EngineInput]) -> Submission:
         """Queue one API call's requests. Raises EngineDeadError or QueueFullError (nothing queued then)."""
         if not self.alive:
-            raise EngineDeadError(f"the engine is not running{f': {self.error!r}' if self.error else ''}")
+            raise EngineDeadError(f"the engine is not running{f': {self.error}' if self.error else ''}")
         num = sum(inp.params.n for inp in inputs)
         if self.max_queued_requests is not None:
             queued = self._num_pending_adds + self._stats.waiting
@@ -303,10 +223,10 @@ class AsyncEngine:
         self._subs[api_id] = sub
         for inp in inputs:
             self._group_to_sub[inp.request_id] = sub
-        with self._pending_lock:
-            self._num_pending_adds += num
-        self._commands.append(("add", sub))
-        self._notify()
+        self._num_pending_adds += num
+        for inp in inputs:
+            self.client.send(AddRequest(inp.request_id, inp.prompt_token_ids, inp.params, inp.priority,
+                                        sub.arrival))
         return sub
 
     async def abort_all_after(self, grace_s: float) -> None:
@@ -318,93 +238,64 @@ class AsyncEngine:
             await asyncio.sleep(0.05)
         if self._subs:
             log.warning("aborting %d in-flight request(s) at shutdown", len(self._subs))
-            self._commands.append(("abort_all",))
-            self._notify()
+            for sub in list(self._subs.values()):
+                for inp in sub.inputs:
+                    self.client.send(AbortRequest(inp.request_id))
+
+    def release(self, sub: Submission, abort: bool) -> None:
+        """A submission is done with: stop routing to it and, if it was unfinished, abort its requests."""
+        self._subs.pop(sub.api_id, None)
+        for inp in sub.inputs:
+            self._group_to_sub.pop(inp.request_id, None)
+            if abort:
+                self._abort(inp.request_id)
 
     def _abort(self, request_id: str) -> None:
-        self._commands.append(("abort", request_id))
-        self._notify()
+        self.client.send(AbortRequest(request_id))
 
-    def _notify(self) -> None:
-        self._wake.set()
-        if self._async_wake is not None:
-            self._async_wake.set()
-
-    # --- event-loop callbacks -----------------------------------------------------------------------
-    def _deliver(self, deltas: list[StepDelta], t: float) -> None:
-        for d in deltas:
-            sub = self._group_to_sub.get(d.group_id)
-            if sub is not None and not sub.closed:
-                sub._on_delta(d, t)
-
-    def _fail_all(self, exc: BaseException) -> None:
-        for sub in list(self._subs.values()):
-            sub._fail(exc)
-
-    def _post(self, fn, *args) -> None:
-        if self.mode == "inline":
-            fn(*args)
-            return
+    # --- outputs of the loop ----------------------------------------------------------------------------
+    def _on_output_threadsafe(self, out: LoopOutput) -> None:
+        """Called where the loop emits (its thread, or the engine process's reader thread)."""
         try:
-            self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the loop is closed: the server is gone
+            self._loop.call_soon_threadsafe(self._on_output, out)
+        except (RuntimeError, AttributeError):  # the event loop is closed (or never ran): the server is gone
             pass
 
-    # --- engine-side work (engine thread, or the loop in inline mode) -------------------------------
-    def _drain(self) -> None:
-        while self._commands:
-            cmd = self._commands.popleft()
-            if cmd[0] == "add":
-                self._add(cmd[1])
-            elif cmd[0] == "abort":
-                self.engine.abort_request(cmd[1])
-            else:
-                self._abort_all()
-
-    def _abort_all(self) -> None:
-        deltas = [StepDelta(req.request_id, req.group_id, req.index, [], "", None, "abort", None)
-                  for rid in list(self.engine.scheduler.requests) for req in self.engine.abort_request(rid)]
-        if deltas:
-            self._post(self._deliver, deltas, time.monotonic())
-
-    def _add(self, sub: Submission) -> None:
-        with self._pending_lock:
-            self._num_pending_adds -= sum(inp.params.n for inp in sub.inputs)
-        if sub.closed:
-            return
-        for inp in sub.inputs:
-            try:
-                reqs = self.engine.add_request(inp.prompt_token_ids, inp.params, request_id=inp.request_id,
-                                               priority=inp.priority, arrival_time=sub.arrival)
-            except Exception as e:  # validated on the HTTP side, so this is a bug; keep the engine alive
-                log.exception("add_request(%s) failed", inp.request_id)
-                self.engine.abort_request(inp.request_id)
-                self._post(sub._fail, e)
-                return
-            for r in reqs:
-                sub.requests[r.request_id] = r
-
-    def _step(self) -> bool:
-        """Run one step; False when the policy scheduled nothing (holding a partial batch back)."""
-        deltas = self.engine.step()
-        stats = self.engine.step_stats[-1] if self.engine.step_stats else None
-        self.engine.step_stats.clear()
-        ran = stats is not None and stats.num_seqs > 0
-        if ran:
+    def _on_output(self, out: LoopOutput) -> None:
+        self._num_pending_adds = max(0, self._num_pending_adds - out.added)
+        if out.stats is not None and out.stats.num_seqs > 0:
             self._c.steps += 1
-            self._c.step_seqs += stats.num_seqs
-        if deltas:
-            self._post(self._deliver, deltas, time.monotonic())
-        return ran
+            self._c.step_seqs += out.stats.num_seqs
+        if out.snapshot is not None:
+            self._publish(out)
+        for rid, message in out.failed:  # validated on the HTTP side, so this is a bug; the engine lives on
+            log.error("add_request(%s) failed: %s", rid, message)
+            sub = self._group_to_sub.get(rid)
+            if sub is not None:
+                self._abort(rid)
+                sub._fail(RuntimeError(message))
+        now = out.time
+        for d in out.deltas:
+            sub = self._group_to_sub.get(d.group_id)
+            if sub is not None and not sub.closed:
+                sub._on_delta(d, now)
+        if out.error is not None:
+            log.error("the engine died: %s", out.error)
+            self._stats = EngineStats(**{**self._stats.__dict__, "alive": False})
+            for sub in list(self._subs.values()):
+                sub._fail(EngineDeadError(f"the engine died: {out.error}"))
+        elif out.final:
+            self._stats = EngineStats(**{**self._stats.__dict__, "alive": False})
+        self._maybe_log()
 
-    def _publish(self, alive: bool = True) -> None:
-        e = self.engine
+    def _publish(self, out: LoopOutput) -> None:
+        s = out.snapshot
         self._stats = EngineStats(
-            alive=alive, running=e.num_running, waiting=e.num_waiting, kv_blocks_used=e.kv.pool.num_used,
-            kv_blocks_total=e.kv.pool.num_blocks, prompt_tokens=e.total_prompt_tokens,
-            generation_tokens=e.total_generation_tokens, preemptions=e.scheduler.num_preemptions,
-            prefix_queries=e.kv.prefix_queries, prefix_hits=e.kv.prefix_hits, steps=self._c.steps,
-            step_seqs=self._c.step_seqs, phase_seconds=tuple(e.phase_seconds.items()))
+            alive=out.error is None and not out.final, running=s.running, waiting=s.waiting,
+            kv_blocks_used=s.kv_blocks_used, kv_blocks_total=s.kv_blocks_total, prompt_tokens=s.prompt_tokens,
+            generation_tokens=s.generation_tokens, preemptions=s.preemptions, prefix_queries=s.prefix_queries,
+            prefix_hits=s.prefix_hits, steps=self._c.steps, step_seqs=self._c.step_seqs,
+            phase_seconds=s.phase_seconds)
 
     def _maybe_log(self) -> None:
         now = time.monotonic()
@@ -426,58 +317,3 @@ class AsyncEngine:
         c.last_log_t, c.last_log_gen, c.last_log_prompt = now, s.generation_tokens, s.prompt_tokens
         c.last_log_steps, c.last_log_seqs = s.steps, s.step_seqs
         c.last_log_phases = dict(s.phase_seconds)
-
-    def _tick(self) -> str:
-        """Drain commands and run a step if there is work: 'ran', 'held' (empty step) or 'idle'."""
-        self._drain()
-        if not self.engine.has_unfinished_requests():
-            self._publish()
-            return "idle"
-        ran = self._step()
-        self._drain()  # aborts that came in during the step free their blocks before stats are taken
-        self._publish()
-        self._maybe_log()
-        return "ran" if ran else "held"
-
-    def _shutdown_engine(self) -> None:
-        for rid in list(self.engine.scheduler.requests):
-            self.engine.abort_request(rid)
-        self._publish(alive=False)
-
-    def _die(self, exc: BaseException) -> None:
-        log.error("engine step failed; the engine is dead", exc_info=exc)
-        self.error = exc
-        try:
-            self._publish(alive=False)
-        except Exception:
-            self._stats = EngineStats(alive=False)
-        self._post(self._fail_all, EngineDeadError(f"the engine died: {exc!r}"))
-
-    def _thread_main(self) -> None:
-        try:
-            while not self._stopping:
-                state = self._tick()
-                if state == "ran":
-                    continue
-                self._wake.wait(self.idle_poll_s if state == "held" else 1.0)
-                self._wake.clear()
-            self._shutdown_engine()
-        except BaseException as e:  # noqa: BLE001 - anything that escapes a step kills the engine
-            self._die(e)
-
-    async def _inline_main(self) -> None:
-        """The naive design, for comparison only: steps run on the event loop itself."""
-        try:
-            while not self._stopping:
-                state = self._tick()
-                if state == "ran":
-                    await asyncio.sleep(0)  # let the HTTP side run between steps
-                    continue
-                self._async_wake.clear()
-                try:
-                    await asyncio.wait_for(self._async_wake.wait(), self.idle_poll_s if state == "held" else 1.0)
-                except asyncio.TimeoutError:
-                    pass
-            self._shutdown_engine()
-        except Exception as e:
-            self._die(e)

@@ -23,6 +23,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from conveyor.engine.llm_engine import EngineInfo
+
 disable_created_metrics()  # no `_created` series, as in vLLM: they double the output for nothing
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -99,18 +101,9 @@ class _EngineCollector(Collector):
         yield phases
 
 
-@dataclass(frozen=True)
-class EngineInfo:
-    """What the engine was built with and does not change while it runs."""
-
-    weight_dtype: str = ""  # bfloat16, float32, int8, int4
-    kv_cache_dtype: str = ""  # bfloat16, float32, int8
-    block_size: int = 0
-    kv_cache_tokens: int = 0  # the pool's capacity: blocks x block size
-
-
 class ServerMetrics:
     def __init__(self, model_name: str, snapshot: Callable[[], EngineStats], info: EngineInfo | None = None) -> None:
+        """`info`: what the engine was built with (weight and KV dtypes, KV capacity), shown as gauges."""
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineCollector(snapshot, model_name))
         labels = ["model_name"]

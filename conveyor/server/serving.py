@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from conveyor.engine.llm_engine import validate_prompt
 from conveyor.sampling_params import SamplingParams
 from conveyor.server import protocol as P
 from conveyor.server.async_engine import AsyncEngine, EngineDeadError, EngineInput, QueueFullError, Submission
@@ -114,16 +115,16 @@ async def _wait_disconnect(request: Request) -> None:
 class OpenAIServing:
     def __init__(self, aengine: AsyncEngine, model_names: list[str]) -> None:
         self.aengine = aengine
-        self.engine = aengine.engine
+        self.info = aengine.info
         self.model_names = model_names
         # A private tokenizer: HF fast tokenizers may refuse concurrent use ("Already borrowed") and the
         # engine thread decodes with the engine's copy.
         try:
-            self.tokenizer = copy.deepcopy(self.engine.tokenizer)
+            self.tokenizer = copy.deepcopy(aengine.tokenizer)
         except Exception:
-            self.tokenizer = self.engine.tokenizer
-        self.max_model_len = self.engine.max_model_len
-        self.vocab_size = self.engine.model_config.vocab_size
+            self.tokenizer = aengine.tokenizer
+        self.max_model_len = self.info.max_model_len
+        self.vocab_size = self.info.vocab_size
         longest = max((len(t) for t in self.tokenizer.get_vocab()), default=16)
         # No prompt longer than this many characters can fit in max_model_len tokens: reject without tokenizing.
         self.max_prompt_chars = self.max_model_len * max(longest, 16) + 1024
@@ -173,7 +174,7 @@ class OpenAIServing:
                               f"{n + params.max_tokens} tokens ({n} in the {param}, {params.max_tokens} in the "
                               f"completion). Please reduce the length of the {param} or of max_tokens.", "max_tokens")
         try:
-            self.engine.validate_prompt(ids, params)
+            validate_prompt(ids, self.info)
         except ValueError as e:
             raise bad_request(str(e), param) from None
 

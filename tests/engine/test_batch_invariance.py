@@ -74,13 +74,12 @@ def run(eng: LLMEngine, probes: dict, crowd: dict, sampled: bool, top1: dict) ->
         else:
             ids, n = crowd[rid]
             eng.add_request(ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), request_id=rid)
-    eng.scheduler.input_ended = True  # offline: static batches may flush, as LLM.generate does
+    eng.end_input()  # offline: static batches may flush, as LLM.generate does
     out: dict[str, list[int]] = defaultdict(list)
     top1.clear()
     while eng.has_unfinished_requests():
-        for d in eng.step():
+        for d in eng.step().deltas:
             out[d.group_id].extend(d.new_token_ids)
-    eng.scheduler.input_ended = False
     return {rid: out[rid] for rid in probes}
 
 

@@ -105,7 +105,7 @@ def test_streamed_deltas_add_up_to_the_final_text(llm):
     chunks: dict[str, list[str]] = {r.request_id: [] for r in reqs}
     finished = set()
     while eng.has_unfinished_requests():
-        for d in eng.step():
+        for d in eng.step().deltas:
             assert d.request_id not in finished
             chunks[d.request_id].append(d.new_text)
             if d.finished:

@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from conveyor import LLM, SamplingParams
-from conveyor.config import SCHEDULERS
 from conveyor.model.attention import build_metadata
 from conveyor.model.llama import rope_inv_freq
+from conveyor.scheduler.policies import POLICIES
+from tests.conftest import record_steps
 from tests.hf_reference import hf_greedy, hf_logits
 
 PROMPT_LENS = [3, 4, 5, 7, 9, 12, 16, 17, 23, 31, 32, 33, 48, 64, 65, 100, 127, 150, 200]
@@ -77,18 +78,17 @@ def test_greedy_matches_hf_all_together(tiny_llama, prompts, reference):
     # prefix caching off: with it on, prompts sharing a prefix wait one step for the first to cache it
     llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=256, max_model_len=MAX_MODEL_LEN,
               enable_prefix_caching=False)
-    llm.engine.record_steps = True
+    steps = record_steps(llm.engine)
     assert_same(run_greedy(llm, prompts), reference)
-    first = llm.engine.step_stats[0]
+    first = steps[0]
     assert first.num_seqs == len(prompts), "all prompts should have been prefilled in one batch"
 
 
 def test_greedy_matches_hf_with_chunked_prefill(tiny_llama, prompts, reference):
     llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=256, max_model_len=MAX_MODEL_LEN,
               max_num_batched_tokens=32)
-    llm.engine.record_steps = True
+    stats = record_steps(llm.engine)
     assert_same(run_greedy(llm, prompts), reference)
-    stats = llm.engine.step_stats
     assert max(s.num_tokens for s in stats) <= 32
     assert max(len(p) for p in prompts) > 32  # so some prompt really was split across steps
 
@@ -102,7 +102,7 @@ def test_greedy_matches_hf_under_preemption(tiny_llama, prompts, reference):
 
 
 @pytest.mark.parametrize("tight", [False, True], ids=["roomy", "tight"])
-@pytest.mark.parametrize("scheduler", SCHEDULERS)
+@pytest.mark.parametrize("scheduler", list(POLICIES))
 def test_every_scheduler_gives_hf_tokens(tiny_llama, prompts, reference, scheduler, tight):
     kw = dict(num_kv_blocks=20, max_num_batched_tokens=64, max_num_seqs=6) if tight else dict(num_kv_blocks=256)
     llm = LLM(str(tiny_llama), dtype="float32", max_model_len=MAX_MODEL_LEN, scheduler=scheduler, batch_size=5,

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conveyor.config import SCHEDULERS, EngineConfig
+from conveyor.config import EngineConfig
 from conveyor.engine.output_processor import check_stop
 from conveyor.kv_cache import KVCacheManager
 from conveyor.request import Request, Status
 from conveyor.sampling_params import SamplingParams
 from conveyor.scheduler.core import Scheduler, Step
-from conveyor.scheduler.policies import make_policy
+from conveyor.scheduler.policies import POLICIES, make_policy
 
 FAKE_TOKEN = 3  # what the fake model "samples"; prompts use a tiny alphabet so prefixes repeat
 
@@ -207,5 +207,5 @@ def test_iteration_block_accounting(scenario):
 
 def test_every_policy_is_covered():
     covered = {name.split("_")[1] for name in globals() if name.endswith("_block_accounting")}
-    assert covered == set(SCHEDULERS)
+    assert covered == set(POLICIES)
 

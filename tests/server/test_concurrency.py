@@ -87,7 +87,7 @@ def test_non_stream_client_timeout_is_aborted(server):
 
 def test_queue_full_gives_429_and_static_batches_flush(tiny_llama):
     # A static batch of 4 that does not fill keeps requests waiting until the 3 s flush.
-    cfg = tiny_config(tiny_llama, scheduler="static", batch_size=4, extra={"static_flush_after_s": 3.0})
+    cfg = tiny_config(tiny_llama, scheduler="static", batch_size=4, static_flush_ms=3000.0)
     with run_server(cfg, ServerArgs(max_queued_requests=2)) as srv:
         body = {"model": MODEL, "prompt": "queued", "max_tokens": 4, "n": 2, "ignore_eos": True}
         first: list[httpx.Response] = []

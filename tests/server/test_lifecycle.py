@@ -30,7 +30,7 @@ def test_engine_death_gives_503_and_stream_errors(tiny_llama):
         with pytest.raises(openai.APIError, match="engine died"):
             for i, _ in enumerate(stream):
                 if i == 2:
-                    aengine.engine.step = boom
+                    aengine.client.engine.step = boom
         deadline = time.monotonic() + 5
         while aengine.alive and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -105,9 +105,9 @@ def test_sigterm_drains_then_exits_0(tiny_llama):
 
 
 def test_engine_is_built_in_the_thread_that_steps_it(server, client):
-    """The model is loaded in the engine thread (OpenMP: one team, see EngineThread) and stepped there."""
-    aengine = server.app.state.engine
-    assert aengine.owner is not None and aengine._thread is aengine.owner.thread
-    assert aengine._thread is not threading.main_thread() and aengine._thread.is_alive()
+    """The model is loaded in the engine thread (OpenMP: one team, see engine_loop.py) and stepped there."""
+    loop = server.app.state.engine.client
+    assert loop.thread is not threading.main_thread() and loop.thread.is_alive()
+    assert loop.built_on == loop.stepped_on == loop.thread.ident
     out = client.completions.create(model=MODEL, prompt="hello", max_tokens=3, temperature=0)
     assert out.usage.completion_tokens == 3

@@ -1,0 +1,139 @@
+"""The server with its engine loop in its own process (`--engine-loop process`): streaming, abort on
+disconnect freeing blocks, 503 and a stream error once the engine process is killed, and a clean
+exit on SIGTERM that leaves no engine process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from .conftest import MODEL, free_socket
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process tests assume Linux")
+
+
+def start(tiny_llama, *extra: str) -> tuple[subprocess.Popen, str]:
+    sock = free_socket()
+    port = sock.getsockname()[1]
+    sock.close()
+    cmd = [sys.executable, "-m", "conveyor", "serve", "--model", str(tiny_llama), "--port", str(port),
+           "--kv-cache-memory", "0.01", "--max-model-len", "512", "--served-model-name", MODEL, "--dtype", "float32",
+           "--engine-loop", "process", "--shutdown-timeout", "0.5", "--log-interval", "1", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "server did not come up"
+        time.sleep(0.1)
+
+
+def engine_children(proc: subprocess.Popen) -> list[psutil.Process]:
+    """The server's engine process(es): python children that are not multiprocessing helpers."""
+    kids = psutil.Process(proc.pid).children(recursive=True)
+    return [k for k in kids if "resource_tracker" not in " ".join(k.cmdline())]
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """The sum of the samples of `name` whose labels include `labels`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total, found = 0.0, False
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for smp in fam.samples:
+            if smp.name == name and all(smp.labels.get(k) == v for k, v in labels.items()):
+                total, found = total + smp.value, True
+    if not found:
+        raise KeyError(name)
+    return total
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def test_stream_abort_and_engine_death(tiny_llama):
+    proc, url = start(tiny_llama)
+    try:
+        engines = engine_children(proc)
+        assert len(engines) == 1 and engines[0].pid != proc.pid, "the engine runs in a child process"
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=30)
+        # streaming works across the process boundary, and matches the non-streaming answer
+        chunks = [c.choices[0].text for c in client.completions.create(
+            model=MODEL, prompt="hello there", max_tokens=12, temperature=0, stream=True,
+            extra_body={"ignore_eos": True})]
+        whole = client.completions.create(model=MODEL, prompt="hello there", max_tokens=12, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        assert "".join(chunks) == whole.choices[0].text and whole.usage.completion_tokens == 12
+        # a client that disconnects mid-stream: its sequence is aborted and its blocks are freed
+        before = metric(url, "conveyor:request_success_total", finished_reason="abort")
+        with httpx.stream("POST", url + "/v1/completions", timeout=30,
+                          json={"prompt": "leave early", "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:
+            for i, _ in enumerate(r.iter_lines()):
+                if i >= 3:
+                    break
+        deadline = time.monotonic() + 10
+        while not (metric(url, "conveyor:kv_cache_blocks_used") == 0
+                   and metric(url, "conveyor:num_requests_running") == 0):
+            assert time.monotonic() < deadline, "the aborted request's blocks were not freed"
+            time.sleep(0.05)
+        after = metric(url, "conveyor:request_success_total", finished_reason="abort")
+        assert after == before + 1
+        # kill the engine process under an open stream: the stream gets an error, health turns 503
+        lines: list[str] = []
+
+        def stream() -> None:
+            with httpx.stream("POST", url + "/v1/completions", timeout=30,
+                              json={"prompt": "doomed", "max_tokens": 480, "ignore_eos": True,
+                                    "stream": True}) as r:
+                lines.extend(line for line in r.iter_lines() if line)
+
+        t = threading.Thread(target=stream)
+        t.start()
+        deadline = time.monotonic() + 10
+        while metric(url, "conveyor:num_requests_running") < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        os.kill(engines[0].pid, signal.SIGKILL)
+        t.join(15)
+        assert not t.is_alive(), "the open stream hung after the engine died"
+        assert any("error" in json.loads(line[6:]) for line in lines if line.startswith("data: {")), lines[-3:]
+        h = httpx.get(url + "/health")
+        assert h.status_code == 503 and h.json()["error"]["code"] == "engine_dead"
+        r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503
+        assert metric(url, "conveyor:engine_alive") == 0
+    finally:
+        stop(proc)
+
+
+def test_sigterm_stops_both_processes(tiny_llama):
+    proc, url = start(tiny_llama)
+    try:
+        engines = engine_children(proc)
+        assert engines
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=30)
+        out = proc.stdout.read()
+        assert rc == 0, out
+        gone, alive = psutil.wait_procs(engines, timeout=10)
+        assert not alive, f"engine process left behind: {alive}"
+    finally:
+        stop(proc)
