@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from conveyor.bench.claims import BASELINE, TOLERANCE, Verdict, evaluate, noise_floor
+from conveyor.bench.result import CompareResults, RunResult
 
 
 def _rate(x) -> float:
@@ -16,11 +17,12 @@ def _rate_label(r: float) -> str:
     return "all at once" if r == float("inf") else f"{r:g}"
 
 
-def organize(runs: list[dict], table_rate: float) -> tuple[dict[str, dict], dict[str, dict[float, dict]]]:
+def organize(runs: list[RunResult], table_rate: float
+             ) -> tuple[dict[str, RunResult], dict[str, dict[float, RunResult]]]:
     """(strategy -> result at the table's load, strategy -> {rate -> result}) without the baseline in the sweep."""
     table, sweep = {}, {}
     for res in runs:
-        s, r = res["meta"]["strategy"], _rate(res["meta"]["request_rate"])
+        s, r = res.meta["strategy"], _rate(res.meta["request_rate"])
         if r == table_rate:
             table[s] = res
         if s != BASELINE:
@@ -46,9 +48,9 @@ class Analysis:
     table_rate: float
     rates: list[float]
     order: list[str]  # the baseline first, then the strategies
-    table: dict[str, dict]  # strategy -> its result at the table's load
-    sweep: dict[str, dict[float, dict]]  # strategy -> {rate -> result} (no baseline)
-    baseline: dict | None
+    table: dict[str, RunResult]  # strategy -> its result at the table's load
+    sweep: dict[str, dict[float, RunResult]]  # strategy -> {rate -> result} (no baseline)
+    baseline: RunResult | None
     tolerance: float  # two numbers within this fraction count as a tie
     verdicts: list[Verdict]  # the seed's claims at the table's load
     other_loads: dict[float, list[Verdict]]  # the same claims at the other loads
@@ -58,8 +60,8 @@ class Analysis:
         return {s: r for s, r in self.table.items() if s != BASELINE}
 
 
-def analyze(data: dict) -> Analysis:
-    spec, runs = data["spec"], data["runs"]
+def analyze(data: CompareResults) -> Analysis:
+    spec, runs = data.spec, data.runs
     table_rate = _rate(spec["table_rate"])
     rates = sorted(_rate(r) for r in spec["request_rates"])
     order = [BASELINE] + list(spec["strategies"])

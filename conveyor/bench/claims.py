@@ -22,6 +22,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from conveyor.bench.result import RunResult
 
 BASELINE = "none"  # the no-batching baseline's name in results
 
@@ -38,15 +42,15 @@ class Verdict:
 
 
 def _throughput(res: dict) -> float:
-    return res["output_throughput"]
+    return res.output_throughput
 
 
 def _ttft_p99(res: dict) -> float | None:
-    return res["ttft_s"]["p99"]
+    return res.ttft_s.p99
 
 
 def _e2e_p50(res: dict) -> float | None:
-    return res["e2e_s"]["p50"]
+    return res.e2e_s.p50
 
 
 def _fmt(value: float, unit: str) -> str:
@@ -55,11 +59,11 @@ def _fmt(value: float, unit: str) -> str:
 
 def schedule_signature(res: dict) -> tuple | None:
     """What the engine did, step by step (who was in the batch, how many tokens), without timings."""
-    steps = res.get("steps")
+    steps = res.steps
     return tuple((tuple(st["ids"]), st["tok"]) for st in steps) if steps else None
 
 
-def noise_floor(results: dict[str, dict]) -> tuple[float, list[tuple[str, str]]]:
+def noise_floor(results: dict[str, RunResult]) -> tuple[float, list[tuple[str, str]]]:
     """The largest relative difference between strategies that executed the identical schedule.
 
     Identical work that took different times measures the machine's noise, not batching; any
@@ -79,7 +83,7 @@ def noise_floor(results: dict[str, dict]) -> tuple[float, list[tuple[str, str]]]
 class Judge:
     """Checks orderings between strategies, calling differences within `tolerance` ties."""
 
-    def __init__(self, results: dict[str, dict], tolerance: float, same_schedule: list[tuple[str, str]]) -> None:
+    def __init__(self, results: dict[str, RunResult], tolerance: float, same_schedule: list[tuple[str, str]]) -> None:
         self.results = results
         self.tolerance = tolerance
         self.same = {frozenset(p) for p in same_schedule}
@@ -133,7 +137,8 @@ class Judge:
         return Verdict(claim, DISAGREES, f"{metric_name}: {listing}; {best_name} is {side} than {who}")
 
 
-def evaluate(results: dict[str, dict], baseline: dict | None, tolerance: float | None = None) -> list[Verdict]:
+def evaluate(results: dict[str, RunResult], baseline: RunResult | None,
+             tolerance: float | None = None) -> list[Verdict]:
     """Every testable claim, for the strategies in `results` (name -> result at one load).
 
     The tie tolerance is `TOLERANCE` or the measured noise floor (`noise_floor`), whichever is larger.
@@ -178,7 +183,7 @@ def evaluate(results: dict[str, dict], baseline: dict | None, tolerance: float |
     return out
 
 
-def noise_sentence(results: dict[str, dict]) -> str | None:
+def noise_sentence(results: dict[str, RunResult]) -> str | None:
     noise, pairs = noise_floor(results)
     if not pairs:
         return None
@@ -200,16 +205,16 @@ def summary_sentence(verdicts: list[Verdict]) -> str:
     return s
 
 
-def headroom_sentence(results: dict[str, dict], baseline: dict | None) -> str | None:
+def headroom_sentence(results: dict[str, RunResult], baseline: RunResult | None) -> str | None:
     """Why the speedup is what it is: the same work in less time means proportionally more MFU, so
     no batcher can beat 1 / (the baseline's MFU) on this machine."""
-    mfu = {k: r["utilization"].get("mfu") for k, r in results.items()}
+    mfu = {k: r.utilization.mfu for k, r in results.items()}
     mfu = {k: v for k, v in mfu.items() if v}
-    base = (baseline or {}).get("utilization", {}).get("mfu")
+    base = baseline.utilization.mfu if baseline is not None else None
     if not base or not mfu:
         return None
     best = max(mfu, key=mfu.get)
-    flops = [r["utilization"].get("model_flops") or 0 for r in [*results.values(), baseline]]
+    flops = [r.utilization.model_flops or 0 for r in [*results.values(), baseline]]
     if min(flops) <= 0 or max(flops) / min(flops) > 1.02:
         return (f"The strategies computed different amounts of model FLOPs (recompute after preemption or prefix "
                 f"hits: {min(flops) / 1e9:.0f}-{max(flops) / 1e9:.0f} GFLOP), so throughput and MFU ratios differ; "
@@ -222,7 +227,7 @@ def headroom_sentence(results: dict[str, dict], baseline: dict | None) -> str | 
             f"baseline's.")
 
 
-def per_load_leaders(sweep: dict[str, dict[float, dict]]) -> list[str]:
+def per_load_leaders(sweep: dict[str, dict[float, RunResult]]) -> list[str]:
     """For every offered load: who had the most throughput and who the lowest p99 TTFT."""
     rates = sorted({r for by_rate in sweep.values() for r in by_rate})
     lines = []

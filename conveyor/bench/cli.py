@@ -195,9 +195,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(format_result(res))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(res, indent=1))
+        args.out.write_text(json.dumps(res.to_json(), indent=1))
         print(f"result written to {args.out}")
-    return 0 if res["completed"] else 1
+    return 0 if res.completed else 1
 
 
 def cmd_compare(args: argparse.Namespace, argv: list[str]) -> int:
@@ -223,8 +223,9 @@ def cmd_compare(args: argparse.Namespace, argv: list[str]) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     """Re-render the Markdown and plots from saved numbers (same command line, nothing re-measured)."""
     from conveyor.bench.report import write_report
+    from conveyor.bench.result import CompareResults
 
-    data = json.loads(args.results.read_text())
-    path = write_report(data, args.out_dir or args.results.parent, data.get("command", "(unknown command)"))
+    data = CompareResults.from_json(json.loads(args.results.read_text()))
+    path = write_report(data, args.out_dir or args.results.parent, data.command or "(unknown command)")
     print(f"report written to {path}")
     return 0

@@ -21,6 +21,7 @@ import torch
 from conveyor.bench.claims import BASELINE
 from conveyor.bench.engine_backend import EngineBackend, run_on_this_thread, strategy_config
 from conveyor.bench.loadgen import LoadPattern
+from conveyor.bench.result import CompareResults, RunResult
 from conveyor.bench.run import run_once
 from conveyor.bench.stats import FlopModel, measure_peak_flops
 from conveyor.bench.workloads import WorkloadSpec, generate
@@ -84,8 +85,8 @@ def warm_up(engine: LLMEngine, base: EngineConfig, vocab_size: int) -> None:
     engine.abort_all()
 
 
-def run_compare(engine: LLMEngine, base: EngineConfig, spec: CompareSpec, progress: bool = True) -> dict:
-    """Run the whole plan; return {"spec", "setup", "runs"} (one result per (strategy, rate))."""
+def run_compare(engine: LLMEngine, base: EngineConfig, spec: CompareSpec, progress: bool = True) -> CompareResults:
+    """Run the whole plan: one result per (strategy, rate)."""
     flop_model = FlopModel.from_config(engine.model_config)
     measure = lambda: measure_peak_flops(engine.runner.dtype, engine.runner.device, n=spec.peak_matmul_size)
     peaks = [measure()]
@@ -109,16 +110,16 @@ def run_compare(engine: LLMEngine, base: EngineConfig, spec: CompareSpec, progre
             run_once, backend, requests, load, flop_model=flop_model, peak_flops=peaks[-1],
             slo_ttft_ms=spec.slo_ttft_ms, slo_tpot_ms=spec.slo_tpot_ms, progress=progress,
             keep_steps=rate == spec.table_rate, meta=meta))
-        log.info("%s: %.1f output tok/s, TTFT p99 %.2fs, %d/%d ok", label, res["output_throughput"],
-                 res["ttft_s"]["p99"] or float("nan"), res["completed"], res["num_requests"])
+        log.info("%s: %.1f output tok/s, TTFT p99 %.2fs, %d/%d ok", label, res.output_throughput,
+                 res.ttft_s.p99 or float("nan"), res.completed, res.num_requests)
         runs.append(res)
     engine.reset(base)
     peak = max(peaks)
     for res in runs:
         set_peak(res, peak)
-    return {
-        "spec": _spec_dict(spec),
-        "setup": {
+    return CompareResults(
+        spec=_spec_dict(spec),
+        setup={
             "model": base.model, "dtype": str(engine.runner.dtype).removeprefix("torch."),
             "device": str(engine.runner.device), "torch_threads": torch.get_num_threads(),
             "cpu": cpu_name(), "num_cpus": psutil.cpu_count(), "num_kv_blocks": engine.runner.num_blocks,
@@ -129,8 +130,8 @@ def run_compare(engine: LLMEngine, base: EngineConfig, spec: CompareSpec, progre
             "workload_tokens": {"input": sum(r.prompt_len for r in requests),
                                 "output": sum(r.max_tokens for r in requests)},
         },
-        "runs": runs,
-    }
+        runs=runs,
+    )
 
 
 def cpu_name() -> str:
@@ -144,12 +145,12 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def set_peak(res: dict, peak: float) -> None:
+def set_peak(res: RunResult, peak: float) -> None:
     """Restate a result's MFU against `peak` (the best matmul rate seen over the whole session)."""
-    util = res["utilization"]
-    util["peak_flops_per_s"] = peak
-    if util.get("achieved_flops_per_s") is not None:
-        util["mfu"] = util["achieved_flops_per_s"] / peak
+    util = res.utilization
+    util.peak_flops_per_s = peak
+    if util.achieved_flops_per_s is not None:
+        util.mfu = util.achieved_flops_per_s / peak
 
 
 def _config_dict(cfg: EngineConfig) -> dict:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from conveyor.bench.loadgen import RequestRecord
+from conveyor.bench.result import EngineRunStats
 from conveyor.bench.stats import contiguous_waste, paged_waste
 from conveyor.bench.workloads import BenchRequest
 from conveyor.config import EngineConfig
@@ -79,7 +80,7 @@ class EngineBackend:
         if self._fatal is not None:
             raise RuntimeError(f"the engine loop failed: {self._fatal}")
 
-    def engine_stats(self) -> dict:
+    def engine_stats(self) -> EngineRunStats:
         """Exact per-step numbers of this run (call after `close`)."""
         info, (q0, h0), snap = self.info, self._prefix0, self._last_snapshot
         return engine_stats_from_steps(self.steps, info.num_kv_blocks, info.block_size, info.max_model_len,
@@ -162,7 +163,7 @@ def run_on_this_thread(backend: EngineBackend, make_coro: Callable[[], Coroutine
 
 
 def engine_stats_from_steps(steps: list[StepStats], num_blocks: int, block_size: int, max_model_len: int,
-                            prefix_queries: int, prefix_hits: int) -> dict:
+                            prefix_queries: int, prefix_hits: int) -> EngineRunStats:
     """Batch size, KV usage and KV waste over a run, each a plain mean over its non-empty steps.
 
     `kv_waste_paged`: slots allocated in blocks but holding no token, `1 - used_slots / (blocks *
@@ -177,22 +178,22 @@ def engine_stats_from_steps(steps: list[StepStats], num_blocks: int, block_size:
     contig = [contiguous_waste(s.logical_tokens, s.num_running, max_model_len) for s in steps if s.num_running]
     busy = sum(s.end - s.start for s in steps)
     phases = {k: sum((s.phases or {}).get(k, 0.0) for s in steps) for k in STEP_PHASES}
-    return {
-        "source": "in-process",
-        "num_steps": len(steps),
-        "busy_s": busy,
-        "step_phase_s": phases,  # seconds per part of the step (schedule, prepare, forward, ...), summed
-        "mean_batch_size": mean([s.num_seqs for s in steps]),
-        "mean_step_tokens": mean([s.num_tokens for s in steps]),
-        "mean_kv_usage": mean([s.kv_used_blocks / num_blocks for s in steps]),
-        "peak_kv_usage": max((s.kv_used_blocks / num_blocks for s in steps), default=None),
-        "prefix_hit_rate": prefix_hits / prefix_queries if prefix_queries else None,
-        "num_preemptions": sum(s.num_preempted for s in steps),
-        "processed_tokens": sum(s.num_tokens for s in steps),
-        "prefill_tokens": sum(s.num_prefill_tokens for s in steps),
-        "kv_waste_paged": mean(paged),
-        "kv_waste_contiguous": mean(contig),
-        "num_kv_blocks": num_blocks,
-        "block_size": block_size,
-        "max_model_len": max_model_len,
-    }
+    return EngineRunStats(
+        source="in-process",
+        num_steps=len(steps),
+        busy_s=busy,
+        step_phase_s=phases,
+        mean_batch_size=mean([s.num_seqs for s in steps]),
+        mean_step_tokens=mean([s.num_tokens for s in steps]),
+        mean_kv_usage=mean([s.kv_used_blocks / num_blocks for s in steps]),
+        peak_kv_usage=max((s.kv_used_blocks / num_blocks for s in steps), default=None),
+        prefix_hit_rate=prefix_hits / prefix_queries if prefix_queries else None,
+        num_preemptions=sum(s.num_preempted for s in steps),
+        processed_tokens=sum(s.num_tokens for s in steps),
+        prefill_tokens=sum(s.num_prefill_tokens for s in steps),
+        kv_waste_paged=mean(paged),
+        kv_waste_contiguous=mean(contig),
+        num_kv_blocks=num_blocks,
+        block_size=block_size,
+        max_model_len=max_model_len,
+    )

@@ -21,7 +21,7 @@ import httpx
 import psutil
 
 from conveyor.bench.loadgen import RequestRecord
-from conveyor.bench.stats import summarize
+from conveyor.bench.result import EngineRunStats, Summary
 from conveyor.bench.workloads import BenchRequest
 
 METRIC_PREFIXES = ("conveyor:", "conveyor_", "vllm:")
@@ -155,7 +155,7 @@ class HttpBackend:
             self.after = await self.scrape()
             await self.client.aclose()
 
-    def engine_stats(self) -> dict:
+    def engine_stats(self) -> EngineRunStats:
         """Mean batch size, KV usage and prefix-cache hit rate over the run, from /metrics."""
         def delta(name: str) -> float | None:
             a, b = metric(self.before, name), metric(self.after, name)
@@ -165,14 +165,13 @@ class HttpBackend:
         queries, hits = delta("prefix_cache_queries_total"), delta("prefix_cache_hits_total")
         kv = [v for v in (metric(s, "kv_cache_usage_perc") for s in self.gauge_samples) if v is not None]
         running = [v for v in (metric(s, "num_requests_running") for s in self.gauge_samples) if v is not None]
-        return {
-            "source": "/metrics",
-            "num_steps": int(steps) if steps is not None else None,
-            "mean_batch_size": seqs / steps if steps else (sum(running) / len(running) if running else None),
-            "mean_kv_usage": sum(kv) / len(kv) if kv else None,
-            "peak_kv_usage": max(kv) if kv else None,
-            "prefix_hit_rate": hits / queries if queries else None,
-            "num_preemptions": delta("num_preemptions_total"),
-            "processed_tokens": None,
-            "health_latency_s": summarize(self.health_latencies),
-        }
+        return EngineRunStats(
+            source="/metrics",
+            num_steps=int(steps) if steps is not None else None,
+            mean_batch_size=seqs / steps if steps else (sum(running) / len(running) if running else None),
+            mean_kv_usage=sum(kv) / len(kv) if kv else None,
+            peak_kv_usage=max(kv) if kv else None,
+            prefix_hit_rate=hits / queries if queries else None,
+            num_preemptions=delta("num_preemptions_total"),
+            health_latency_s=Summary.of(self.health_latencies),
+        )

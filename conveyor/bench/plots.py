@@ -14,6 +14,7 @@ from matplotlib.patches import Patch  # noqa: E402
 
 from conveyor.bench.analysis import _rate_label  # noqa: E402
 from conveyor.bench.claims import BASELINE  # noqa: E402
+from conveyor.bench.result import RunResult  # noqa: E402
 
 DISPLAY = {BASELINE: "no batching", "iteration": "iteration-level"}
 COLORS = {"static": "tab:red", "dynamic": "tab:orange", "continuous": "tab:blue", "iteration": "tab:green",
@@ -29,23 +30,23 @@ def _x(rates: list[float]) -> tuple[list[int], list[str]]:
     return list(range(len(rates))), [_rate_label(r) for r in rates]
 
 
-def plot_throughput(sweep: dict, rates: list[float], order: list[str], baseline: dict | None, path: Path) -> None:
+def plot_throughput(sweep: dict, rates: list[float], order: list[str], baseline: RunResult | None, path: Path) -> None:
     xs, labels = _x(rates)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for s in order:
         if s not in sweep:
             continue
         pts = [(x, sweep[s][r]) for x, r in zip(xs, rates) if r in sweep[s]]
-        axes[0].plot([p[0] for p in pts], [p[1]["output_throughput"] for p in pts], "o-", color=COLORS.get(s),
+        axes[0].plot([p[0] for p in pts], [p[1].output_throughput for p in pts], "o-", color=COLORS.get(s),
                      label=_name(s))
-        axes[1].plot([p[0] for p in pts], [p[1]["request_throughput"] for p in pts], "o-", color=COLORS.get(s),
+        axes[1].plot([p[0] for p in pts], [p[1].request_throughput for p in pts], "o-", color=COLORS.get(s),
                      label=_name(s))
     finite = [(x, r) for x, r in zip(xs, rates) if r != float("inf")]
     if finite:
         axes[1].plot([p[0] for p in finite], [p[1] for p in finite], ":", color="black", label="offered load")
     if baseline is not None:
-        axes[0].axhline(baseline["output_throughput"], ls="--", color=COLORS[BASELINE], label="no batching")
-        axes[1].axhline(baseline["request_throughput"], ls="--", color=COLORS[BASELINE], label="no batching")
+        axes[0].axhline(baseline.output_throughput, ls="--", color=COLORS[BASELINE], label="no batching")
+        axes[1].axhline(baseline.request_throughput, ls="--", color=COLORS[BASELINE], label="no batching")
     for ax, title in zip(axes, ("output tokens/s", "requests/s")):
         ax.set_xticks(xs, labels)
         ax.set_xlabel("offered load (requests/s)")
@@ -57,17 +58,17 @@ def plot_throughput(sweep: dict, rates: list[float], order: list[str], baseline:
     plt.close(fig)
 
 
-def plot_ttft(sweep: dict, rates: list[float], order: list[str], baseline: dict | None, path: Path) -> None:
+def plot_ttft(sweep: dict, rates: list[float], order: list[str], baseline: RunResult | None, path: Path) -> None:
     xs, labels = _x(rates)
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for s in order:
         if s not in sweep:
             continue
-        pts = [(x, sweep[s][r]["ttft_s"]["p99"]) for x, r in zip(xs, rates)
-               if r in sweep[s] and sweep[s][r]["ttft_s"]["p99"] is not None]
+        pts = [(x, sweep[s][r].ttft_s.p99) for x, r in zip(xs, rates)
+               if r in sweep[s] and sweep[s][r].ttft_s.p99 is not None]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=COLORS.get(s), label=_name(s))
-    if baseline is not None and baseline["ttft_s"]["p99"] is not None:
-        ax.axhline(baseline["ttft_s"]["p99"], ls="--", color=COLORS[BASELINE], label="no batching (table load)")
+    if baseline is not None and baseline.ttft_s.p99 is not None:
+        ax.axhline(baseline.ttft_s.p99, ls="--", color=COLORS[BASELINE], label="no batching (table load)")
     ax.set_yscale("log")
     ax.set_xticks(xs, labels)
     ax.set_xlabel("offered load (requests/s)")
@@ -87,8 +88,8 @@ def occupancy_matrix(res: dict) -> np.ndarray:
     part of; in a step it is part of, it is *prefill* until the step that produced its first token
     (inclusive) and *decode* after.
     """
-    steps = res.get("steps") or []
-    reqs = res["requests"]
+    steps = res.steps or []
+    reqs = res.requests
     m = np.zeros((len(reqs), len(steps)), dtype=np.int8)
     starts = np.array([st["t"] for st in steps], dtype=float)
     eps = 1e-5
@@ -112,9 +113,9 @@ def plot_occupancy(res: dict, name: str, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(11, max(2.5, min(7.0, 0.09 * n_req + 1.5))))
     cmap = ListedColormap(["white", "#e6e6e6", "tab:orange", "tab:blue"])
     ax.imshow(m, aspect="auto", interpolation="nearest", cmap=cmap, vmin=0, vmax=3)
-    wall = res["duration_s"]
+    wall = res.duration_s
     ax.set_title(f"{_name(name)}: who was in each step's batch ({n_steps} steps, {wall:.1f} s, "
-                 f"mean batch {res['engine'].get('mean_batch_size') or 0:.1f})")
+                 f"mean batch {res.engine.mean_batch_size or 0:.1f})")
     ax.set_xlabel("engine step")
     ax.set_ylabel("request (arrival order)")
     ax.legend(handles=[Patch(color="#e6e6e6", label="sent, not in this step\n(queued or stalled)"),
@@ -126,13 +127,13 @@ def plot_occupancy(res: dict, name: str, path: Path) -> None:
     plt.close(fig)
 
 
-def plot_kv_waste(table: dict[str, dict], order: list[str], path: Path) -> None:
-    names = [s for s in order if s in table and table[s]["engine"].get("kv_waste_paged") is not None]
+def plot_kv_waste(table: dict[str, RunResult], order: list[str], path: Path) -> None:
+    names = [s for s in order if s in table and table[s].engine.kv_waste_paged is not None]
     if not names:
         return
     xs = np.arange(len(names))
-    paged = [table[s]["engine"]["kv_waste_paged"] * 100 for s in names]
-    contig = [(table[s]["engine"].get("kv_waste_contiguous") or 0) * 100 for s in names]
+    paged = [table[s].engine.kv_waste_paged * 100 for s in names]
+    contig = [(table[s].engine.kv_waste_contiguous or 0) * 100 for s in names]
     fig, ax = plt.subplots(figsize=(7.5, 3.8))
     ax.bar(xs - 0.2, paged, 0.4, label="paged (blocks)", color="tab:green")
     ax.bar(xs + 0.2, contig, 0.4, label="contiguous max_model_len reservation", color="tab:red")

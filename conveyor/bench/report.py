@@ -7,6 +7,7 @@ drawn by `plots.py`. Nothing here imports torch: `conveyor bench report` re-rend
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from conveyor.bench.claims import (
     verdicts_json,
 )
 from conveyor.bench.plots import _name, plot_kv_waste, plot_occupancy, plot_throughput, plot_ttft
+from conveyor.bench.result import CompareResults, RunResult
 
 SEED_CLAIMS = {
     "static": "medium throughput, high waiting latency",
@@ -44,9 +46,13 @@ def _f(x: float | None, fmt: str = ".2f") -> str:
     return "-" if x is None else format(x, fmt)
 
 
-def comparison_table(table: dict[str, dict], order: list[str]) -> list[str]:
+def _count(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0f}"
+
+
+def comparison_table(table: dict[str, RunResult], order: list[str]) -> list[str]:
     base = table.get(BASELINE)
-    has_goodput = any(r["goodput"]["requests_per_s"] is not None for r in table.values())
+    has_goodput = any(r.goodput.requests_per_s is not None for r in table.values())
     head = ["strategy", "seed's claim", "output tok/s", "req/s", "vs no batching", "TTFT p50 (ms)", "TTFT p99 (ms)",
             "TPOT p50 (ms)", "E2E p50 (ms)", "E2E p99 (ms)", "mean batch", "KV usage", "MFU", "CPU util"]
     if has_goodput:
@@ -56,20 +62,20 @@ def comparison_table(table: dict[str, dict], order: list[str]) -> list[str]:
         r = table.get(s)
         if r is None:
             continue
-        rel = r["output_throughput"] / base["output_throughput"] if base and base["output_throughput"] else None
-        row = [f"**{_name(s)}**", SEED_CLAIMS.get(s, ""), _f(r["output_throughput"], ".1f"),
-               _f(r["request_throughput"], ".3f"), "1.0x" if s == BASELINE else (f"{rel:.1f}x" if rel else "-"),
-               _ms(r["ttft_s"]["p50"]), _ms(r["ttft_s"]["p99"]), _ms(r["tpot_s"]["p50"]), _ms(r["e2e_s"]["p50"]),
-               _ms(r["e2e_s"]["p99"]), _f(r["engine"].get("mean_batch_size"), ".1f"),
-               _pct(r["engine"].get("mean_kv_usage")), _pct(r["utilization"].get("mfu"), 2),
-               _pct(r["utilization"].get("cpu"), 0)]
+        rel = r.output_throughput / base.output_throughput if base and base.output_throughput else None
+        row = [f"**{_name(s)}**", SEED_CLAIMS.get(s, ""), _f(r.output_throughput, ".1f"),
+               _f(r.request_throughput, ".3f"), "1.0x" if s == BASELINE else (f"{rel:.1f}x" if rel else "-"),
+               _ms(r.ttft_s.p50), _ms(r.ttft_s.p99), _ms(r.tpot_s.p50), _ms(r.e2e_s.p50),
+               _ms(r.e2e_s.p99), _f(r.engine.mean_batch_size, ".1f"),
+               _pct(r.engine.mean_kv_usage), _pct(r.utilization.mfu, 2),
+               _pct(r.utilization.cpu, 0)]
         if has_goodput:
-            row.append(_f(r["goodput"]["requests_per_s"], ".3f"))
+            row.append(_f(r.goodput.requests_per_s, ".3f"))
         lines.append("| " + " | ".join(row) + " |")
     return lines
 
 
-def sweep_table(sweep: dict[str, dict[float, dict]], rates: list[float], order: list[str]) -> list[str]:
+def sweep_table(sweep: dict[str, dict[float, RunResult]], rates: list[float], order: list[str]) -> list[str]:
     head = ["strategy"] + [f"{_rate_label(r)} req/s" if r != float("inf") else "all at once" for r in rates]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in order:
@@ -79,12 +85,12 @@ def sweep_table(sweep: dict[str, dict[float, dict]], rates: list[float], order: 
         for r in rates:
             res = sweep[s].get(r)
             cells.append("-" if res is None else
-                         f"{res['output_throughput']:.1f} tok/s, {_ms(res['ttft_s']['p99'])} ms")
+                         f"{res.output_throughput:.1f} tok/s, {_ms(res.ttft_s.p99)} ms")
         lines.append(f"| **{_name(s)}** | " + " | ".join(cells) + " |")
     return lines
 
 
-def kv_table(table: dict[str, dict], order: list[str]) -> list[str]:
+def kv_table(table: dict[str, RunResult], order: list[str]) -> list[str]:
     head = ["strategy", "mean KV usage", "peak KV usage", "KV waste (paged)", "KV waste (contiguous reservation)",
             "prefix-cache hit rate", "preemptions", "engine steps"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -92,22 +98,23 @@ def kv_table(table: dict[str, dict], order: list[str]) -> list[str]:
         r = table.get(s)
         if r is None:
             continue
-        e = r["engine"]
+        e = r.engine
         lines.append("| " + " | ".join([
-            f"**{_name(s)}**", _pct(e.get("mean_kv_usage")), _pct(e.get("peak_kv_usage")),
-            _pct(e.get("kv_waste_paged")), _pct(e.get("kv_waste_contiguous")), _pct(e.get("prefix_hit_rate")),
-            str(e.get("num_preemptions", "-")), str(e.get("num_steps", "-"))]) + " |")
+            f"**{_name(s)}**", _pct(e.mean_kv_usage), _pct(e.peak_kv_usage),
+            _pct(e.kv_waste_paged), _pct(e.kv_waste_contiguous), _pct(e.prefix_hit_rate),
+            _count(e.num_preemptions), _count(e.num_steps)]) + " |")
     return lines
 
 
 
-def write_report(data: dict, out_dir: Path, command: str) -> Path:
+def write_report(data: CompareResults, out_dir: Path, command: str) -> Path:
     """Write results.json, the PNGs and report.md into `out_dir`; return the report's path."""
     out_dir.mkdir(parents=True, exist_ok=True)
     a = analyze(data)
-    data = dict(data, command=command, verdicts=verdicts_json(a.verdicts),
-                verdicts_other_loads={_rate_label(r): verdicts_json(v) for r, v in a.other_loads.items()})
-    (out_dir / "results.json").write_text(json.dumps(data, indent=1))
+    data = dataclasses.replace(data, command=command, verdicts=verdicts_json(a.verdicts),
+                               verdicts_other_loads={_rate_label(r): verdicts_json(v)
+                                                     for r, v in a.other_loads.items()})
+    (out_dir / "results.json").write_text(json.dumps(data.to_json(), indent=1))
     occ = write_plots(a, out_dir)
     path = out_dir / "report.md"
     path.write_text("\n".join(markdown(a, data, command, occ)))
@@ -121,16 +128,16 @@ def write_plots(a: Analysis, out_dir: Path) -> list[tuple[str, str]]:
     plot_kv_waste(a.table, a.order, out_dir / "kv_waste.png")
     occ = []
     for s in a.order:
-        if s in a.table and a.table[s].get("steps"):
+        if s in a.table and a.table[s].steps:
             fname = f"occupancy_{s}.png"
             plot_occupancy(a.table[s], s, out_dir / fname)
             occ.append((s, fname))
     return occ
 
 
-def markdown(a: Analysis, data: dict, command: str, occ: list[tuple[str, str]]) -> list[str]:
+def markdown(a: Analysis, data: CompareResults, command: str, occ: list[tuple[str, str]]) -> list[str]:
     """The report's lines: every statement computed from `a` and `data`."""
-    spec, setup, runs = data["spec"], data["setup"], data["runs"]
+    spec, setup, runs = data.spec, data.setup, data.runs
     table_rate, rates, order, table, sweep = a.table_rate, a.rates, a.order, a.table, a.sweep
     baseline, tolerance, verdicts, other_loads = a.baseline, a.tolerance, a.verdicts, a.other_loads
     strategies_at_table = a.strategies_at_table
@@ -159,7 +166,7 @@ def markdown(a: Analysis, data: dict, command: str, occ: list[tuple[str, str]]) 
            f"{len(peaks)} measurements taken before each run; they ranged {min(peaks) / 1e9:.1f}-"
            f"{max(peaks) / 1e9:.1f})",
            f"- whole comparison took {setup['total_wall_s'] / 60:.1f} min"]
-    cfgs = {r["meta"]["strategy"]: r["meta"]["engine_config"] for r in runs}
+    cfgs = {r.meta["strategy"]: r.meta["engine_config"] for r in runs}
     md += ["- engine settings per strategy: " + "; ".join(
         f"{_name(s)}: max_num_seqs {c['max_num_seqs']}, budget {c['max_num_batched_tokens']} tokens"
         + (f", batch_size {c['batch_size']}" if s in ("static", "dynamic") else "")
@@ -194,11 +201,11 @@ def markdown(a: Analysis, data: dict, command: str, occ: list[tuple[str, str]]) 
         r = table.get(s)
         if r is None:
             continue
-        u, e = r["utilization"], r["engine"]
-        md.append(f"- {_name(s)}: MFU {_pct(u.get('mfu'), 2)} ({_f((u.get('achieved_flops_per_s') or 0) / 1e9, '.2f')}"
-                  f" GFLOP/s), CPU {_pct(u.get('cpu'), 0)}, engine busy {_pct(u.get('engine_busy'), 0)} of the "
-                  f"wall time, mean batch {_f(e.get('mean_batch_size'), '.1f')} sequences / "
-                  f"{_f(e.get('mean_step_tokens'), '.0f')} tokens per step")
+        u, e = r.utilization, r.engine
+        md.append(f"- {_name(s)}: MFU {_pct(u.mfu, 2)} ({_f((u.achieved_flops_per_s or 0) / 1e9, '.2f')}"
+                  f" GFLOP/s), CPU {_pct(u.cpu, 0)}, engine busy {_pct(u.engine_busy, 0)} of the "
+                  f"wall time, mean batch {_f(e.mean_batch_size, '.1f')} sequences / "
+                  f"{_f(e.mean_step_tokens, '.0f')} tokens per step")
     md += ["", "## Throughput and latency vs offered load", "",
            "![throughput vs offered load](throughput_vs_load.png)", "",
            "![p99 TTFT vs offered load](ttft_p99_vs_load.png)", "",
@@ -247,13 +254,12 @@ def _workload_text(w: dict) -> str:
     return text
 
 
-def _waste_sentence(table: dict[str, dict], order: list[str], setup: dict) -> str:
-    rows = [(s, table[s]["engine"]) for s in order if s in table and table[s]["engine"].get("kv_waste_paged")
-            is not None]
+def _waste_sentence(table: dict[str, RunResult], order: list[str], setup: dict) -> str:
+    rows = [(s, table[s].engine) for s in order if s in table and table[s].engine.kv_waste_paged is not None]
     if not rows:
         return ""
-    paged = [e["kv_waste_paged"] for _, e in rows]
-    contig = [e["kv_waste_contiguous"] for _, e in rows if e.get("kv_waste_contiguous") is not None]
+    paged = [e.kv_waste_paged for _, e in rows]
+    contig = [e.kv_waste_contiguous for _, e in rows if e.kv_waste_contiguous is not None]
     s = (f"Paged allocation left {min(paged):.1%}-{max(paged):.1%} of the reserved slots empty across strategies")
     if contig:
         s += (f"; reserving max_model_len ({setup['max_model_len']}) contiguous slots per request would have left "

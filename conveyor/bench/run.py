@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from conveyor.bench.engine_backend import EngineBackend
 from conveyor.bench.loadgen import Backend, LoadPattern, drive
-from conveyor.bench.result import build_result
+from conveyor.bench.result import RunResult, build_result
 from conveyor.bench.stats import FlopModel
 from conveyor.bench.workloads import BenchRequest
 from conveyor.engine.llm_engine import StepStats
@@ -18,7 +18,7 @@ from conveyor.engine.llm_engine import StepStats
 async def run_once(backend: Backend, requests: list[BenchRequest], load: LoadPattern, *,
                    flop_model: FlopModel | None, peak_flops: float | None, slo_ttft_ms: float | None = None,
                    slo_tpot_ms: float | None = None, server_pid: int | None = None, progress: bool = True,
-                   keep_steps: bool = False, meta: dict | None = None) -> dict:
+                   keep_steps: bool = False, meta: dict | None = None) -> RunResult:
     """Run `requests` against `backend` under `load` and return the result dict.
 
     With `keep_steps` (in-process only) the result also holds every engine step, compactly, for
@@ -43,7 +43,7 @@ async def run_once(backend: Backend, requests: list[BenchRequest], load: LoadPat
     res = build_result(records, timing, backend.engine_stats(), flop_model=flop_model, peak_flops=peak_flops,
                        slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, gpu_util=gpu, meta=meta)
     if keep_steps and isinstance(backend, EngineBackend):
-        res["steps"] = compact_steps(backend.steps, timing.start)
+        res.steps = compact_steps(backend.steps, timing.start)
     return res
 
 

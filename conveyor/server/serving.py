@@ -14,7 +14,6 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 
 import anyio
 from pydantic import BaseModel, ValidationError
@@ -23,6 +22,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from conveyor.engine.llm_engine import validate_prompt
+from conveyor.engine.output_processor import RequestOutputBuilder
+from conveyor.outputs import RequestOutput
 from conveyor.sampling_params import SamplingParams
 from conveyor.server import protocol as P
 from conveyor.server.async_engine import AsyncEngine, EngineDeadError, EngineInput, QueueFullError, Submission
@@ -61,17 +62,6 @@ def parse_model(cls: type[BaseModel], data: dict) -> BaseModel:
 def _finite(x: float) -> float:
     """JSON has no -inf: report impossible tokens as -9999 (as vLLM does)."""
     return x if math.isfinite(x) else -9999.0
-
-
-@dataclass
-class _Choice:
-    """What one sequence produced so far (non-streaming accumulation)."""
-
-    text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
 
 
 class SSEResponse(StreamingResponse):
@@ -192,20 +182,22 @@ class OpenAIServing:
             s = self._token_strs[token_id] = self.tokenizer.decode([token_id])
         return s
 
-    async def collect(self, sub: Submission, request: Request) -> dict[str, _Choice] | None:
-        """Run `sub` to the end; None if the client left first (then it is aborted)."""
+    async def collect(self, sub: Submission, request: Request) -> list[RequestOutput] | None:
+        """Run `sub` to the end: one `RequestOutput` per input, in order (built from the deltas by the
+        same `RequestOutputBuilder` that `LLM.generate` uses); None if the client left first (then it
+        is aborted). A sequence the engine never finished comes back with finish_reason "abort"."""
 
-        async def run() -> dict[str, _Choice]:
-            out: dict[str, _Choice] = {}
+        async def run() -> list[RequestOutput]:
+            builders = {inp.request_id: RequestOutputBuilder(inp.request_id, inp.params.n, None,
+                                                             inp.prompt_token_ids, logprobs=True)
+                        for inp in sub.inputs}
             async for d in sub:
-                c = out.setdefault(d.request_id, _Choice())
-                c.text.append(d.new_text)
-                c.token_ids.extend(d.new_token_ids)
-                if d.new_logprobs:
-                    c.logprobs.extend(d.new_logprobs)
-                if d.finished:
-                    c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
-            return out
+                builders[d.group_id].add(d)
+            outs = [b.build() for b in builders.values()]
+            for o in outs:
+                for c in o.outputs:
+                    c.finish_reason = c.finish_reason or "abort"
+            return outs
 
         work = asyncio.ensure_future(run())
         watch = asyncio.ensure_future(_wait_disconnect(request))
@@ -257,11 +249,9 @@ class OpenAIServing:
             return Response(status_code=499)
         choices, completion_tokens = [], 0
         for i, (_, ids) in enumerate(prompts):
-            gid = inputs[i].request_id
-            for j in range(req.n):
-                c = out.get(gid if req.n == 1 else f"{gid}#{j}", _Choice(finish_reason="abort"))
+            for j, c in enumerate(out[i].outputs):
                 completion_tokens += len(c.token_ids)
-                text = "".join(c.text)
+                text = c.text
                 lp = None
                 if req.logprobs is not None:
                     lp = self._completion_logprobs(ids if req.echo else [], c.token_ids, c.logprobs,
@@ -375,13 +365,11 @@ class OpenAIServing:
         out = await self.collect(sub, request)
         if out is None:
             return Response(status_code=499)
-        gid = sub.inputs[0].request_id
         choices, completion_tokens = [], 0
-        for j in range(req.n):
-            c = out.get(gid if req.n == 1 else f"{gid}#{j}", _Choice(finish_reason="abort"))
+        for j, c in enumerate(out[0].outputs):
             completion_tokens += len(c.token_ids)
             lp = self._chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0) if req.logprobs else None
-            choices.append(P.ChatChoice(index=j, message=P.ChatResponseMessage(content="".join(c.text)), logprobs=lp,
+            choices.append(P.ChatChoice(index=j, message=P.ChatResponseMessage(content=c.text), logprobs=lp,
                                         finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         usage = P.UsageInfo(prompt_tokens=len(ids), completion_tokens=completion_tokens,
                             total_tokens=len(ids) + completion_tokens)

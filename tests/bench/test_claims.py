@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from conveyor.bench.claims import DISAGREES, HOLDS, TIE, evaluate, per_load_leaders, summary_sentence
+from conveyor.bench.result import EngineRunStats, Goodput, RunResult, Summary, Utilization
 
 
-def fake(thr: float, ttft_p99: float, e2e_p50: float) -> dict:
-    return {"output_throughput": thr, "ttft_s": {"p99": ttft_p99}, "e2e_s": {"p50": e2e_p50}}
+def fake(thr: float, ttft_p99: float, e2e_p50: float, utilization: Utilization | None = None) -> RunResult:
+    return RunResult(meta={}, duration_s=1.0, num_requests=1, completed=1, failed=0, errors={}, input_tokens=1,
+                     output_tokens=1, request_throughput=1.0, output_throughput=thr, total_token_throughput=thr,
+                     ttft_s=Summary(p99=ttft_p99), tpot_s=Summary(), itl_s=Summary(), e2e_s=Summary(p50=e2e_p50),
+                     goodput=Goodput(), engine=EngineRunStats(), utilization=utilization or Utilization())
 
 
 def by_claim(verdicts) -> dict[str, str]:
@@ -53,8 +59,8 @@ def test_per_load_leaders() -> None:
 def test_headroom_sentence_bounds_the_speedup_by_the_baselines_mfu() -> None:
     from conveyor.bench.claims import headroom_sentence
 
-    def util(mfu: float, flops: float = 1e12) -> dict:
-        return {"utilization": {"mfu": mfu, "model_flops": flops}}
+    def util(mfu: float, flops: float = 1e12) -> RunResult:
+        return fake(1, 1, 1, Utilization(mfu=mfu, model_flops=flops))
 
     text = headroom_sentence({"iteration": util(0.30), "static": util(0.12)}, util(0.05))
     assert "at most about 20x" in text and "iteration" in text and "6.0x" in text
@@ -67,8 +73,8 @@ def test_identical_schedules_set_the_noise_floor() -> None:
     from conveyor.bench.claims import noise_floor, noise_sentence
 
     steps = [{"ids": [0, 1], "tok": 2}, {"ids": [1], "tok": 1}]
-    static = dict(fake(100, 9.0, 9.0), steps=steps)
-    dynamic = dict(fake(112, 8.5, 9.0), steps=list(steps))  # same schedule, 11% apart: noise
+    static = dataclasses.replace(fake(100, 9.0, 9.0), steps=steps)
+    dynamic = dataclasses.replace(fake(112, 8.5, 9.0), steps=list(steps))  # same schedule, 11% apart: noise
     results = {"static": static, "dynamic": dynamic, "continuous": fake(300, 1.0, 3.0),
                "iteration": fake(320, 0.95, 2.0)}
     noise, pairs = noise_floor(results)

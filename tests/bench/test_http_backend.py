@@ -95,9 +95,9 @@ def test_streaming_requests_and_metrics_deltas() -> None:
     assert sent[(101, 102, 103)]["ignore_eos"] is True and sent[(101, 102, 103)]["stream"] is True
     assert sent[(101, 102, 103)]["model"] == "stub-model"
     stats = backend.engine_stats()
-    assert stats["mean_batch_size"] == 4.0  # 40 seqs per 10 steps in every scrape delta
-    assert stats["prefix_hit_rate"] == 0.25
-    assert stats["mean_kv_usage"] == 0.25
+    assert stats.mean_batch_size == 4.0  # 40 seqs per 10 steps in every scrape delta
+    assert stats.prefix_hit_rate == 0.25
+    assert stats.mean_kv_usage == 0.25
     assert timing.duration > 0
 
 

@@ -40,8 +40,10 @@ class FakeBackend:
 
     async def close(self) -> None: ...
 
-    def engine_stats(self) -> dict:
-        return {}
+    def engine_stats(self):
+        from conveyor.bench.result import EngineRunStats
+
+        return EngineRunStats()
 
 
 REQS = [BenchRequest([101] * 4, 3) for _ in range(10)]
