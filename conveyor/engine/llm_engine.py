@@ -203,9 +203,7 @@ class LLMEngine:
         """Abort a request (all n of its sequences); frees their KV blocks at once. Returns a final
         delta (finish_reason "abort") for each sequence that was still unfinished."""
         out = []
-        for rid in list(self.scheduler.requests):
-            if rid != request_id and not rid.startswith(request_id + "#"):
-                continue
+        for rid in [r.request_id for r in self.scheduler.requests.values() if r.group_id == request_id]:
             req = self.scheduler.abort(rid)
             if req is not None:
                 self.detok.release(rid)
@@ -214,7 +212,7 @@ class LLMEngine:
 
     def abort_all(self) -> list[StepDelta]:
         """Abort every request (shutdown, or a lab run that ends): their final "abort" deltas."""
-        return [d for rid in list(self.scheduler.requests) for d in self.abort_request(rid)]
+        return [d for gid in {r.group_id for r in self.scheduler.requests.values()} for d in self.abort_request(gid)]
 
     def end_input(self) -> None:
         """No more requests are coming (offline): a static batcher without a flush timer may run its
