@@ -47,8 +47,54 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
                    help="KV cache storage: auto = the model's dtype; int8 = one scale per token and head, "
                         "about half the memory per token (default: auto)")
+    g.add_argument("--generation-config", default="auto",
+                   help="sampling defaults for requests that set none: auto = the model's generation_config.json "
+                        "(built-in models: their card's), vllm = none (temperature 1, top_p 1), or a folder")
     g.add_argument("--threads", type=int, default=None,
                    help="torch compute threads (default: one per physical core)")
+
+
+_HELP = {  # flags defined without a help text get this one
+    "--log-level": "logging level: DEBUG, INFO, WARNING, ERROR (servers log at INFO when left at WARNING)",
+    "--workload": "request mix: random, longtail (mostly short, some long) or shared-prefix",
+    "--num-prompts": "requests in the run",
+    "--output-len": "output tokens per request (ignore_eos holds every length)",
+    "--no-progress": "no progress bar",
+    "--dtype": "weights and activations dtype; auto: bf16 where the CPU has fast bf16 (AVX512-BF16/AMX) or CUDA",
+    "--device": "auto: CUDA when torch sees one, else CPU",
+    "--max-model-len": "longest prompt + output per request in tokens (default: the model's, capped by the KV pool)",
+    "--max-num-seqs": "most sequences in one step",
+    "--max-num-batched-tokens": "token budget of one step (prompt chunks + decodes)",
+    "--seed": "seeds the generator that sampled requests without their own seed draw from",
+    "--strategies": "comma-separated strategies to compare",
+    "--max-tokens": "tokens to generate",
+    "--temperature": "sampling temperature (0: greedy)",
+    "--top-p": "nucleus sampling mass",
+    "--sampling-seed": "seed of this generation's sampling",
+    "--host": "address to listen on",
+    "--port": "port to listen on",
+    "--uvicorn-log-level": "uvicorn's own log level",
+}
+
+
+def document(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Every flag of `parser` (and its subcommands) gets a help text that shows its default."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub_parser in action.choices.values():
+                document(sub_parser)
+            continue
+        if not action.option_strings or action.help == argparse.SUPPRESS or isinstance(action, argparse._HelpAction):
+            continue
+        if action.help is None:
+            action.help = next((_HELP[o] for o in action.option_strings if o in _HELP), "")
+        if "default" not in action.help and not isinstance(action, (argparse._StoreTrueAction,
+                                                                       argparse._StoreFalseAction)):
+            shown = "none" if action.default is None else action.default
+            if isinstance(shown, list):
+                shown = ",".join(str(x) for x in shown)
+            action.help = f"{action.help} (default: {shown})".strip()
+    return parser
 
 
 def engine_config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
@@ -59,7 +105,8 @@ def engine_config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
         scheduler=args.scheduler, **{opt.name: getattr(args, opt.name) for opt in all_options()},
         enable_prefix_caching=args.enable_prefix_caching, admission_reserve=args.admission_reserve,
         seed=args.seed, attention_backend=args.attention_backend, threads=args.threads,
-        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, **extra,
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+        generation_config=args.generation_config, **extra,
     )
 
 
@@ -105,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     add_server_args(serve)
     sub.add_parser("bench", help="the batching lab (see `conveyor bench --help`)")
 
-    args = parser.parse_args(argv)
+    args = document(parser).parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.WARNING),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -34,6 +34,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | kernel | torch (see conveyor/model/attention.py)
     threads: int | None = None  # torch compute threads; None: one per physical core (CPU)
     served_model_name: str | None = None
+    generation_config: str = "auto"  # auto | vllm | a folder: sampling defaults (model/loader.py)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -27,6 +27,11 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses when given no SamplingParams: the model's recommended sampling
+        (`generation_config`), as vLLM's `LLM.get_default_sampling_params`."""
+        return SamplingParams(**self.engine.info.default_sampling)
+
     def _to_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if not prompt:
@@ -54,7 +59,7 @@ class LLM:
                                                 and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
         prompts = list(prompts)
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         param_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(param_list) != len(prompts):
             raise ValueError("sampling_params must be one SamplingParams or one per prompt")

@@ -35,6 +35,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
 
 
 @dataclass

@@ -35,6 +35,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI: -100..100)
     stop_list: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -85,6 +86,15 @@ class SamplingParams:
             raise bad("stop", "may hold at most 16 strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > 300:
+                raise bad("logit_bias", "must map at most 300 token ids to biases")
+            for t, b in self.logit_bias.items():
+                if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                    raise bad("logit_bias", f"keys must be token ids (non-negative integers), got {t!r}")
+                finite("logit_bias", b)
+                if not -100 <= b <= 100:
+                    raise bad("logit_bias", f"values must be in [-100, 100], got {b}")
 
     @property
     def greedy(self) -> bool:

@@ -14,12 +14,14 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import shlex
 import sys
+import time
 from pathlib import Path
 
 from conveyor.bench.workloads import WORKLOADS, WorkloadSpec
-from conveyor.cli import add_engine_args, engine_config_from_args
+from conveyor.cli import add_engine_args, document, engine_config_from_args
 
 log = logging.getLogger("conveyor.bench")
 
@@ -92,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--url", default="http://127.0.0.1:8000", help="a running server (default)")
     target.add_argument("--in-process", action="store_true", help="load the engine here instead of using --url")
     run.add_argument("--served-model", default=None, help="HTTP: the model name to send (default: /v1/models)")
+    run.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY") or os.environ.get("CONVEYOR_API_KEY"),
+                     help="HTTP: sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY, else "
+                          "$CONVEYOR_API_KEY, else none)")
     run.add_argument("--server-pid", type=int, default=None,
                      help="HTTP: the server's pid for CPU accounting (default: whoever listens on the port)")
     loop = run.add_mutually_exclusive_group()
@@ -111,14 +116,17 @@ def build_parser() -> argparse.ArgumentParser:
                       help="offered loads, comma-separated req/s; inf = all at once")
     cmp_.add_argument("--table-rate", type=_rate, default=None,
                       help="the load the comparison table uses (default: the highest)")
-    cmp_.add_argument("--out-dir", type=Path, default=Path("docs/lab"))
+    cmp_.add_argument("--out-dir", type=Path, default=None,
+                      help="where report.md, results.json and the plots go (default: a new folder "
+                           "bench-results/compare-YYYYmmdd-HHMMSS; the committed docs/lab is only written "
+                           "when named here)")
     add_workload_args(cmp_)
     add_engine_args(cmp_)
 
     rep = sub.add_parser("report", parents=[common], help="rewrite a comparison's report from its results.json")
     rep.add_argument("results", type=Path, help="the results.json that `bench compare` wrote")
     rep.add_argument("--out-dir", type=Path, default=None, help="default: the results file's directory")
-    return parser
+    return document(parser)
 
 
 def main(argv: list[str]) -> int:
@@ -176,7 +184,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         from conveyor.runner.model_runner import resolve_device, resolve_dtype
 
         cfg = load_checkpoint(args.model, args.tokenizer).config  # vocab for prompts, shapes for FLOPs
-        backend, max_len = HttpBackend(args.url, args.served_model), args.max_model_len
+        backend, max_len = HttpBackend(args.url, args.served_model, api_key=args.api_key), args.max_model_len
         device = resolve_device(args.device)
         dtype, pid = resolve_dtype(args.dtype, device), args.server_pid or find_listening_pid(args.url)
     requests = generate(spec, cfg.vocab_size, max_len)
@@ -214,7 +222,8 @@ def cmd_compare(args: argparse.Namespace, argv: list[str]) -> int:
     engine = LLMEngine(base)
     data = run_compare(engine, base, spec, progress=args.progress)
     command = "conveyor bench " + shlex.join(argv)
-    path = write_report(data, args.out_dir, command)
+    out_dir = args.out_dir or Path("bench-results") / time.strftime("compare-%Y%m%d-%H%M%S")
+    path = write_report(data, out_dir, command)
     print(path.read_text().split("## The seed's claims, tested")[0])
     print(f"report written to {path}")
     return 0

@@ -67,8 +67,10 @@ def find_listening_pid(url: str) -> int | None:
 
 
 class HttpBackend:
-    def __init__(self, base_url: str, model: str | None = None, sample_every_s: float = 0.2) -> None:
+    def __init__(self, base_url: str, model: str | None = None, sample_every_s: float = 0.2,
+                 api_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.model = model
         self.sample_every_s = sample_every_s
         self.client: httpx.AsyncClient | None = None
@@ -80,7 +82,7 @@ class HttpBackend:
 
     async def start(self) -> None:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        self.client = httpx.AsyncClient(base_url=self.base_url, limits=limits,
+        self.client = httpx.AsyncClient(base_url=self.base_url, limits=limits, headers=self.headers,
                                         timeout=httpx.Timeout(None, connect=10.0))
         if self.model is None:
             resp = await self.client.get("/v1/models")

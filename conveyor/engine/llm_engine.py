@@ -11,14 +11,14 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from conveyor.config import EngineConfig
 from conveyor.engine.output_processor import Detokenizer, apply_stop, make_delta
 from conveyor.kv_cache import KVCacheManager
-from conveyor.model.loader import load_checkpoint
+from conveyor.model.loader import default_sampling, load_checkpoint
 from conveyor.outputs import StepDelta
 from conveyor.request import Request, sequence_ids
 from conveyor.runner.model_runner import ModelRunner
@@ -98,6 +98,7 @@ class EngineInfo:
     bytes_per_block: int
     batch_invariant: bool
     attention_backend: str
+    default_sampling: dict = field(default_factory=dict)  # for requests that set none (--generation-config)
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -145,7 +146,11 @@ class LLMEngine:
             eos_token_ids=tuple(ckpt.config.eos_token_ids), device=str(r.device),
             dtype=str(r.dtype).removeprefix("torch."), weight_dtype=r.weight_dtype, kv_cache_dtype=r.kv_dtype_name,
             block_size=config.block_size, num_kv_blocks=r.num_blocks, bytes_per_block=r.bytes_per_block,
-            batch_invariant=r.batch_invariant, attention_backend=r.attention_backend)
+            batch_invariant=r.batch_invariant, attention_backend=r.attention_backend,
+            default_sampling=default_sampling(config.model, config.generation_config))
+        if self.info.default_sampling:
+            log.info("sampling defaults for requests that set none (--generation-config %s): %s",
+                     config.generation_config, self.info.default_sampling)
         log.info("model %s on %s/%s: KV cache %d blocks x %d tokens = %d tokens (%.2f GiB), max_model_len %d, "
                  "scheduler %s, loaded in %.1fs", config.model, self.runner.device, self.runner.dtype,
                  self.runner.num_blocks, config.block_size, pool_tokens,
@@ -181,6 +186,9 @@ class LLMEngine:
                     cache_salt: str | None = None) -> list[Request]:
         """Queue a request (n > 1 fans out into n sequences sharing the prompt). Validates first."""
         self.validate_prompt(prompt_token_ids, params)
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and any(t >= vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias keys must be token ids below the vocabulary size ({vocab})")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         request_id = request_id or f"req-{next(self._ids)}"

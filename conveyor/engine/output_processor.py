@@ -127,6 +127,7 @@ class RequestOutputBuilder:
                                               logprobs=[] if logprobs else None)
                         for i, sid in enumerate(sequence_ids(request_id, n))}
         self.metrics: RequestMetrics | None = None
+        self.num_cached_tokens = 0  # prompt tokens the prefix cache served (the first sequence's)
         self._text: dict[str, list[str]] = {sid: [] for sid in self.outputs}
 
     def add(self, d: StepDelta) -> None:
@@ -139,6 +140,8 @@ class RequestOutputBuilder:
                 out.cumulative_logprob += lp.get(tok, 0.0)
         if d.finished:
             out.finish_reason, out.stop_reason = d.finish_reason, d.stop_reason
+            if d.index == 0:
+                self.num_cached_tokens = d.extra.get("num_cached_tokens", 0)
 
     @property
     def finished(self) -> bool:

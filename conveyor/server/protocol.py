@@ -47,6 +47,7 @@ class _SamplingFields(_Request):
     presence_penalty: Float = 0.0
     frequency_penalty: Float = 0.0
     user: Str | None = None
+    logit_bias: dict[Str, Float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
     # vLLM extras
     ignore_eos: Bool = False
     min_tokens: Annotated[StrictInt, Field(ge=0, le=2**31 - 1)] = 0
@@ -94,15 +95,35 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: Bool = True
 
 
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
+
+    model: Str | None = None
+    prompt: Str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: Bool = True
+    add_generation_prompt: Bool = True
+
+
+class DetokenizeRequest(_Request):
+    model: Str | None = None
+    tokens: list[TokenId]
+
+
 # --- responses ------------------------------------------------------------------------------------
 class _Response(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0  # prompt tokens served by the prefix cache (as OpenAI and vLLM report them)
 
 
 class UsageInfo(_Response):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(_Response):

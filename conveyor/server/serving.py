@@ -48,6 +48,34 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param)
 
 
+# Fields OpenAI or vLLM define that this server does not implement yet: refused with a 400 naming the
+# field rather than silently ignored (a client relying on them would get output that ignores them).
+_UNSUPPORTED = ("tools", "functions", "suffix", "response_format", "guided_json", "guided_regex",
+                "guided_choice", "guided_grammar", "structured_outputs", "prompt_logprobs")
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> P.UsageInfo:
+    return P.UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                       total_tokens=prompt_tokens + completion_tokens,
+                       prompt_tokens_details=P.PromptTokensDetails(cached_tokens=cached_tokens))
+
+
+def refuse_unsupported(data: dict) -> None:
+    for name in _UNSUPPORTED:
+        value = data.get(name)
+        if value in (None, [], "", {}):
+            continue
+        if name == "response_format" and isinstance(value, dict) and value.get("type") == "text":
+            continue  # plain text is what every response is
+        raise bad_request(f"'{name}' is not supported by this server yet", name)
+    for name in ("tool_choice", "function_call"):
+        if data.get(name) not in (None, "none"):
+            raise bad_request(f"'{name}' is not supported by this server yet (no tools)", name)
+    best_of = data.get("best_of")
+    if best_of is not None and best_of != data.get("n", 1):
+        raise bad_request("best_of other than n is not supported (each of the n samples is returned)", "best_of")
+
+
 def parse_model(cls: type[BaseModel], data: dict) -> BaseModel:
     """Validate a JSON object into `cls`; the first problem becomes a 400 naming the field."""
     try:
@@ -141,15 +169,29 @@ class OpenAIServing:
         if any(t >= self.vocab_size for t in ids):
             raise bad_request(f"stop_token_ids must be below the vocabulary size ({self.vocab_size})",
                               "stop_token_ids")
+        defaults = self.info.default_sampling  # the model's recommendation where the request is silent
+
+        def pick(value, name: str, fallback):
+            return value if value is not None else defaults.get(name, fallback)
+
+        bias = None
+        if req.logit_bias:
+            try:
+                bias = {int(k): v for k, v in req.logit_bias.items()}
+            except ValueError:
+                raise bad_request("logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
+            if any(not 0 <= t < self.vocab_size for t in bias):
+                raise bad_request(f"logit_bias keys must be token ids in [0, {self.vocab_size})", "logit_bias")
         try:
             return SamplingParams(
-                n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
-                min_p=req.min_p or 0.0, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
+                n=req.n, temperature=pick(req.temperature, "temperature", 1.0),
+                top_p=pick(req.top_p, "top_p", 1.0), top_k=pick(req.top_k, "top_k", 0) or 0,
+                min_p=pick(req.min_p, "min_p", 0.0), seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
                 stop=req.stop, stop_token_ids=ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output)
+                repetition_penalty=pick(req.repetition_penalty, "repetition_penalty", 1.0),
+                skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
+                logit_bias=bias)
         except ValueError as e:
             raise bad_request(str(e), str(e).split(" ", 1)[0]) from None
 
@@ -194,7 +236,8 @@ class OpenAIServing:
             async for d in sub:
                 builders[d.group_id].add(d)
             outs = [b.build() for b in builders.values()]
-            for o in outs:
+            for o, b in zip(outs, builders.values()):
+                o.num_cached_tokens = b.num_cached_tokens
                 for c in o.outputs:
                     c.finish_reason = c.finish_reason or "abort"
             return outs
@@ -226,6 +269,7 @@ class OpenAIServing:
     # --- /v1/completions ------------------------------------------------------------------------------
     async def completions(self, data: dict, request: Request) -> Response:
         req = parse_model(P.CompletionRequest, data)
+        refuse_unsupported(data)
         self.check_model(req.model)
         prompts = await self._completion_prompts(req.prompt)
         if "max_tokens" in req.model_fields_set:
@@ -259,8 +303,7 @@ class OpenAIServing:
                 choices.append(P.CompletionChoice(index=i * req.n + j, text=(echo[i] or "") + text, logprobs=lp,
                                                   finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         prompt_tokens = sum(len(ids) for _, ids in prompts)
-        usage = P.UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                            total_tokens=prompt_tokens + completion_tokens)
+        usage = _usage(prompt_tokens, completion_tokens, sum(o.num_cached_tokens for o in out))
         body = P.CompletionResponse(id=api_id, model=model, choices=choices, usage=usage)
         return Response(body.model_dump_json(), media_type="application/json")
 
@@ -311,7 +354,7 @@ class OpenAIServing:
         index_of = {inp.request_id: i for i, inp in enumerate(sub.inputs)}
         offsets: dict[str, int] = {}
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        completion_tokens = 0
+        completion_tokens = cached = 0
 
         def chunk(choice: P.CompletionChoice) -> str:
             c = P.CompletionChunk(id=sub.api_id, created=created, model=model, choices=[choice])
@@ -324,6 +367,8 @@ class OpenAIServing:
                         yield chunk(P.CompletionChoice(index=i * req.n + j, text=echo[i]))
             async for d in sub:
                 completion_tokens += len(d.new_token_ids)
+                if d.finished and d.index == 0:
+                    cached += d.extra.get("num_cached_tokens", 0)
                 if not d.new_text and not d.finished and req.logprobs is None:
                     continue
                 lp = None
@@ -335,9 +380,7 @@ class OpenAIServing:
                 yield chunk(P.CompletionChoice(index=index, text=d.new_text, logprobs=lp,
                                                finish_reason=d.finish_reason, stop_reason=d.stop_reason))
             if include_usage:
-                pt = sum(len(ids) for _, ids in prompts)
-                usage = P.UsageInfo(prompt_tokens=pt, completion_tokens=completion_tokens,
-                                    total_tokens=pt + completion_tokens)
+                usage = _usage(sum(len(ids) for _, ids in prompts), completion_tokens, cached)
                 yield _sse(P.CompletionChunk(id=sub.api_id, created=created, model=model, choices=[], usage=usage))
         except Exception as e:  # the engine died mid-stream: tell the client in-band
             yield self._error_event(e)
@@ -348,6 +391,7 @@ class OpenAIServing:
     # --- /v1/chat/completions -------------------------------------------------------------------------
     async def chat(self, data: dict, request: Request) -> Response:
         req = parse_model(P.ChatCompletionRequest, data)
+        refuse_unsupported(data)
         self.check_model(req.model)
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
@@ -371,10 +415,34 @@ class OpenAIServing:
             lp = self._chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0) if req.logprobs else None
             choices.append(P.ChatChoice(index=j, message=P.ChatResponseMessage(content=c.text), logprobs=lp,
                                         finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-        usage = P.UsageInfo(prompt_tokens=len(ids), completion_tokens=completion_tokens,
-                            total_tokens=len(ids) + completion_tokens)
+        usage = _usage(len(ids), completion_tokens, out[0].num_cached_tokens)
         body = P.ChatCompletionResponse(id=api_id, model=model, choices=choices, usage=usage)
         return Response(body.model_dump_json(), media_type="application/json")
+
+    async def tokenize_endpoint(self, data: dict) -> Response:
+        """vLLM's POST /tokenize: {"count", "max_model_len", "tokens"}."""
+        req = parse_model(P.TokenizeRequest, data)
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt")
+        if req.messages is not None:
+            if not req.messages:
+                raise bad_request("messages must not be empty", "messages")
+            chat = P.ChatCompletionRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt)
+            ids = await self._render_chat(chat)
+        else:
+            if len(req.prompt) > self.max_prompt_chars:
+                raise bad_request("prompt is longer than this model's context could hold", "prompt")
+            ids = await self.tokenize(req.prompt, req.add_special_tokens, "prompt")
+        return JSONResponse({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids})
+
+    async def detokenize_endpoint(self, data: dict) -> Response:
+        """vLLM's POST /detokenize: {"prompt": text}."""
+        req = parse_model(P.DetokenizeRequest, data)
+        self.check_model(req.model)
+        if any(t >= self.vocab_size for t in req.tokens):
+            raise bad_request(f"tokens must be below the vocabulary size ({self.vocab_size})", "tokens")
+        return JSONResponse({"prompt": self.tokenizer.decode(req.tokens)})
 
     async def _render_chat(self, req: P.ChatCompletionRequest) -> list[int]:
         if getattr(self.tokenizer, "chat_template", None) is None:
@@ -408,7 +476,7 @@ class OpenAIServing:
                            num_prompt: int) -> AsyncIterator[str]:
         created = int(time.time())
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        completion_tokens = 0
+        completion_tokens = cached = 0
 
         def chunk(choice: P.ChatStreamChoice) -> str:
             return _sse(P.ChatCompletionChunk(id=sub.api_id, created=created, model=model, choices=[choice]))
@@ -418,6 +486,8 @@ class OpenAIServing:
                 yield chunk(P.ChatStreamChoice(index=j, delta=P.DeltaMessage(role="assistant", content="")))
             async for d in sub:
                 completion_tokens += len(d.new_token_ids)
+                if d.finished and d.index == 0:
+                    cached += d.extra.get("num_cached_tokens", 0)
                 if not d.new_text and not d.finished and not req.logprobs:
                     continue
                 lp = None
@@ -427,8 +497,7 @@ class OpenAIServing:
                 yield chunk(P.ChatStreamChoice(index=d.index, delta=delta, logprobs=lp,
                                                finish_reason=d.finish_reason, stop_reason=d.stop_reason))
             if include_usage:
-                usage = P.UsageInfo(prompt_tokens=num_prompt, completion_tokens=completion_tokens,
-                                    total_tokens=num_prompt + completion_tokens)
+                usage = _usage(num_prompt, completion_tokens, cached)
                 yield _sse(P.ChatCompletionChunk(id=sub.api_id, created=created, model=model, choices=[],
                                                  usage=usage))
         except Exception as e:

@@ -288,55 +288,33 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   });
 }
 
-template <typename T>
+// Scatter this step's K/V [T, Hkv, D] into their slots. CT == T: copied as they are. CT == int8_t:
+// quantized per token and head, scale = max|x| / 127 rounded to fp16 and q = round(x / scale), the
+// scales stored beside ([blocks, Hkv, block_size]).
+template <typename T, typename CT>
 void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache, torch::Tensor& v_cache,
-              const torch::Tensor& slots) {
+              const torch::Tensor& slots, at::Half* ksc, at::Half* vsc) {
   const int64_t n = k.size(0), hkv = k.size(1), d = k.size(2), bs = k_cache.size(3);
   const int64_t bstride = k_cache.stride(0);
   const int64_t* sl = slots.data_ptr<int64_t>();
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
-  T* kc = k_cache.data_ptr<T>();
-  T* vc = v_cache.data_ptr<T>();
+  CT* kc = k_cache.data_ptr<CT>();
+  CT* vc = v_cache.data_ptr<CT>();
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t blk = sl[t] / bs, off = sl[t] % bs;
-      for (int64_t h = 0; h < hkv; ++h) {
-        T* kd = kc + blk * bstride + h * d * bs + off;
-        T* vd = vc + blk * bstride + (h * bs + off) * d;
-        const T* ksrc = kp + t * ks0 + h * ks1;
-        const T* vsrc = vp + t * vs0 + h * vs1;
-        for (int64_t i = 0; i < d; ++i) kd[i * bs] = ksrc[i];
-        std::memcpy(vd, vsrc, d * sizeof(T));
+  auto store = [d](const T* src, CT* dst, int64_t dst_stride, at::Half* scale_out) {
+    if constexpr (std::is_same<CT, int8_t>::value) {
+      float amax = 0.f;
+      for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(to_float(src[i])));
+      const at::Half sh = static_cast<at::Half>(amax / 127.f);
+      const float sc = static_cast<float>(sh);
+      *scale_out = sh;
+      for (int64_t i = 0; i < d; ++i) {
+        const float qv = sc > 0.f ? std::nearbyint(to_float(src[i]) / sc) : 0.f;
+        dst[i * dst_stride] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, qv)));
       }
-    }
-  });
-}
-
-// int8 caches: per token and head, scale = max|x| / 127 rounded to fp16, q = round(x / scale).
-template <typename T>
-void write_kv_int8(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache, torch::Tensor& v_cache,
-                   torch::Tensor& k_scale, torch::Tensor& v_scale, const torch::Tensor& slots) {
-  const int64_t n = k.size(0), hkv = k.size(1), d = k.size(2), bs = k_cache.size(3);
-  const int64_t bstride = k_cache.stride(0);
-  const int64_t* sl = slots.data_ptr<int64_t>();
-  const T* kp = k.data_ptr<T>();
-  const T* vp = v.data_ptr<T>();
-  int8_t* kc = k_cache.data_ptr<int8_t>();
-  int8_t* vc = v_cache.data_ptr<int8_t>();
-  at::Half* ksc = k_scale.data_ptr<at::Half>();
-  at::Half* vsc = v_scale.data_ptr<at::Half>();
-  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
-  auto quant = [d](const T* src, int8_t* dst, int64_t dst_stride, at::Half* scale_out) {
-    float amax = 0.f;
-    for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(to_float(src[i])));
-    const at::Half sh = static_cast<at::Half>(amax / 127.f);
-    const float sc = static_cast<float>(sh);
-    *scale_out = sh;
-    for (int64_t i = 0; i < d; ++i) {
-      const float qv = sc > 0.f ? std::nearbyint(to_float(src[i]) / sc) : 0.f;
-      dst[i * dst_stride] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, qv)));
+    } else {
+      for (int64_t i = 0; i < d; ++i) dst[i * dst_stride] = src[i];
     }
   };
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
@@ -344,8 +322,8 @@ void write_kv_int8(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor
       const int64_t blk = sl[t] / bs, off = sl[t] % bs;
       for (int64_t h = 0; h < hkv; ++h) {
         const int64_t si = (blk * hkv + h) * bs + off;
-        quant(kp + t * ks0 + h * ks1, kc + blk * bstride + h * d * bs + off, bs, ksc + si);
-        quant(vp + t * vs0 + h * vs1, vc + blk * bstride + (h * bs + off) * d, 1, vsc + si);
+        store(kp + t * ks0 + h * ks1, kc + blk * bstride + h * d * bs + off, bs, ksc ? ksc + si : nullptr);
+        store(vp + t * vs0 + h * vs1, vc + blk * bstride + (h * bs + off) * d, 1, vsc ? vsc + si : nullptr);
       }
     }
   });
@@ -406,22 +384,21 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
 void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                     torch::Tensor slots, c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale) {
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous());
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type());
   if (k_cache.scalar_type() == at::kChar) {
     TORCH_CHECK(k_scale && v_scale && k_scale->scalar_type() == at::kHalf && v_scale->scalar_type() == at::kHalf);
-    if (k.scalar_type() == at::kFloat) return write_kv_int8<float>(k, v, k_cache, v_cache, *k_scale, *v_scale, slots);
-    if (k.scalar_type() == at::kBFloat16) {
-      return write_kv_int8<at::BFloat16>(k, v, k_cache, v_cache, *k_scale, *v_scale, slots);
-    }
-    TORCH_CHECK(false, "write_kv_cache: dtype ", k.scalar_type(), " is not supported");
-  }
-  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type());
-  if (k_cache.scalar_type() == at::kFloat) {
-    write_kv<float>(k, v, k_cache, v_cache, slots);
-  } else if (k_cache.scalar_type() == at::kBFloat16) {
-    write_kv<at::BFloat16>(k, v, k_cache, v_cache, slots);
+    at::Half* ks = k_scale->data_ptr<at::Half>();
+    at::Half* vs = v_scale->data_ptr<at::Half>();
+    if (k.scalar_type() == at::kFloat) return write_kv<float, int8_t>(k, v, k_cache, v_cache, slots, ks, vs);
+    if (k.scalar_type() == at::kBFloat16) return write_kv<at::BFloat16, int8_t>(k, v, k_cache, v_cache, slots, ks, vs);
   } else {
-    TORCH_CHECK(false, "write_kv_cache: dtype ", k_cache.scalar_type(), " is not supported");
+    TORCH_CHECK(k.scalar_type() == k_cache.scalar_type(), "write_kv_cache: K/V and cache dtypes differ");
+    if (k.scalar_type() == at::kFloat) return write_kv<float, float>(k, v, k_cache, v_cache, slots, nullptr, nullptr);
+    if (k.scalar_type() == at::kBFloat16) {
+      return write_kv<at::BFloat16, at::BFloat16>(k, v, k_cache, v_cache, slots, nullptr, nullptr);
+    }
   }
+  TORCH_CHECK(false, "write_kv_cache: dtype ", k.scalar_type(), " is not supported");
 }
 
 torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps);

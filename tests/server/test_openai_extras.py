@@ -1,0 +1,100 @@
+"""More of the OpenAI / vLLM surface: logit_bias, cached-token usage, /tokenize and /detokenize,
+unsupported fields refused by name, and `conveyor bench run` against a server that wants a key."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from .conftest import API_KEY, MODEL
+
+GREEDY = {"temperature": 0.0}
+
+
+def test_logit_bias_bans_and_forces_tokens(client, server):
+    tok = server.app.state.serving.tokenizer
+    prompt = [5, 6, 7, 8]
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, logprobs=0,
+                                      extra_body={"ignore_eos": True}, **GREEDY)
+    first = plain.choices[0].logprobs.tokens[0]
+    # every token id whose text is the greedy first token's (the API returns text, not ids)
+    same_text = [i for i in range(len(tok)) if tok.decode([i]) == first]
+    assert same_text
+    banned = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, logprobs=0,
+                                       logit_bias={str(i): -100 for i in same_text},
+                                       extra_body={"ignore_eos": True}, **GREEDY)
+    assert banned.choices[0].logprobs.tokens[0] != first
+    forced = 42
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, logprobs=0,
+                                  logit_bias={str(forced): 100}, extra_body={"ignore_eos": True}, **GREEDY)
+    assert r.choices[0].logprobs.tokens == [tok.decode([forced])] * 5
+
+
+def test_bad_logit_bias_is_a_400(client):
+    for bias, why in (({"x": 1}, "token ids"), ({"999999": 1}, "token ids"), ({"5": 101}, "[-100, 100]")):
+        with pytest.raises(openai.BadRequestError, match="logit_bias") as e:
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=2, logit_bias=bias)
+        assert why in str(e.value)
+
+
+def test_usage_reports_cached_prompt_tokens(client):
+    prompt = list(range(300, 300 + 70))  # 4 full blocks of 16 + a partial one
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, **GREEDY)
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, **GREEDY)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens >= 64
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 64
+
+
+def test_tokenize_and_detokenize(server):
+    h = server.headers()
+    r = httpx.post(server.url + "/tokenize", json={"prompt": "Hello world"}, headers=h)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["count"] == len(body["tokens"]) > 0 and body["max_model_len"] > 0
+    back = httpx.post(server.url + "/detokenize", json={"tokens": body["tokens"]}, headers=h).json()["prompt"]
+    assert "Hello world" in back
+    chat = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}, headers=h)
+    assert chat.status_code == 200 and chat.json()["count"] > 2
+    assert httpx.post(server.url + "/tokenize", json={"prompt": "x"}).status_code == 401  # same key rules
+    bad = httpx.post(server.url + "/detokenize", json={"tokens": [10**9]}, headers=h)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    both = httpx.post(server.url + "/tokenize", json={"prompt": "x", "messages": [{"role": "user", "content": "y"}]},
+                      headers=h)
+    assert both.status_code == 400
+
+
+@pytest.mark.parametrize("field,value", [("tools", [{"type": "function", "function": {"name": "f"}}]),
+                                         ("suffix", "tail"), ("response_format", {"type": "json_object"}),
+                                         ("best_of", 3), ("guided_json", {"type": "object"}),
+                                         ("tool_choice", "auto")])
+def test_unsupported_fields_are_refused_by_name(server, field, value):
+    for path, body in (("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        r = httpx.post(server.base_url + path[3:], json={**body, "max_tokens": 2, field: value},
+                       headers=server.headers())
+        assert r.status_code == 400, (path, field, r.text)
+        err = r.json()["error"]
+        assert err["param"] == field and field in err["message"]
+
+
+def test_harmless_values_of_unsupported_fields_pass(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       response_format={"type": "text"}, tool_choice="none", **GREEDY)
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_bench_run_against_a_keyed_server(server, tiny_llama, tmp_path, monkeypatch):
+    from conveyor.bench.cli import main as bench_main
+
+    argv = ["run", "--url", server.url, "--model", str(tiny_llama), "--served-model", MODEL, "--dtype", "float32",
+            "--concurrency", "2", "--num-prompts", "4", "--input-len", "16", "--output-len", "4",
+            "--no-progress", "--out", str(tmp_path / "r.json")]
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    monkeypatch.delenv("CONVEYOR_API_KEY", raising=False)
+    assert bench_main(argv + ["--api-key", API_KEY]) == 0
+    monkeypatch.setenv("OPENAI_API_KEY", API_KEY)  # the key from the environment, as the openai client takes it
+    assert bench_main(argv) == 0
