@@ -48,6 +48,7 @@ class Request:
 
     output_text: str = ""
     logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # filled as the prompt is computed
     cumulative_logprob: float = 0.0
     generator: torch.Generator | None = None
 
@@ -64,6 +65,8 @@ class Request:
             self.generator = torch.Generator().manual_seed(self.params.seed)
         if self.params.logprobs is not None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]  # the first prompt token has no logprob (nothing predicts it)
 
     @property
     def num_prompt_tokens(self) -> int:

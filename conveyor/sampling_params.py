@@ -29,7 +29,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k logprobs per sampled token (0: only the sampled one)
-    prompt_logprobs: None = None
+    prompt_logprobs: int | None = None  # top-k logprobs of every prompt token (vLLM); the first gets None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -78,6 +78,10 @@ class SamplingParams:
             raise bad("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or isinstance(self.prompt_logprobs, bool)
+                                                 or not 0 <= self.prompt_logprobs <= 20):
+            raise bad("prompt_logprobs", f"must be an integer in [0, 20], got {self.prompt_logprobs!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise bad("seed", f"must be an integer, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop_list):

@@ -259,6 +259,10 @@ class LLMEngine:
 
     def _update(self, plan: Step, result) -> list[StepDelta]:
         token_ids = result.token_ids if result else []
+        for it in plan.items:  # prompt logprobs computed this step (before update moves the counters)
+            entries = self.runner.last_prompt_logprobs.get(it.request.request_id)
+            if entries:
+                it.request.prompt_logprobs.extend(entries)
         sampled = self.scheduler.update(plan, token_ids)
         self.total_prompt_tokens += sum(len(r.prompt_token_ids) for r in plan.admitted if r.num_preemptions == 0)
         deltas = []
@@ -275,7 +279,10 @@ class LLMEngine:
             if stop is not None:
                 self.scheduler.finish(req, stop[0], stop[1])
             text = self.detok.take_new_text(req, final=stop is not None)
-            deltas.append(make_delta(req, [tok], text, lp))
+            delta = make_delta(req, [tok], text, lp)
+            if req.prompt_logprobs is not None and len(req.output_token_ids) == 1:
+                delta.extra["prompt_logprobs"] = list(req.prompt_logprobs)  # with the first token, as vLLM
+            deltas.append(delta)
             if stop is not None:
                 self.detok.release(req.request_id)
         return deltas

@@ -128,10 +128,13 @@ class RequestOutputBuilder:
                         for i, sid in enumerate(sequence_ids(request_id, n))}
         self.metrics: RequestMetrics | None = None
         self.num_cached_tokens = 0  # prompt tokens the prefix cache served (the first sequence's)
+        self.prompt_logprobs: list | None = None
         self._text: dict[str, list[str]] = {sid: [] for sid in self.outputs}
 
     def add(self, d: StepDelta) -> None:
         out = self.outputs[d.request_id]
+        if d.index == 0 and "prompt_logprobs" in d.extra:
+            self.prompt_logprobs = d.extra["prompt_logprobs"]
         out.token_ids.extend(d.new_token_ids)
         self._text[d.request_id].append(d.new_text)
         if d.new_logprobs and out.logprobs is not None:
@@ -151,7 +154,8 @@ class RequestOutputBuilder:
         for sid, out in self.outputs.items():
             out.text = "".join(self._text[sid])
         return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
-                             outputs=list(self.outputs.values()), finished=self.finished, metrics=self.metrics)
+                             outputs=list(self.outputs.values()), finished=self.finished, metrics=self.metrics,
+                             num_cached_tokens=self.num_cached_tokens, prompt_logprobs=self.prompt_logprobs)
 
 
 def request_metrics(reqs: list[Request]) -> RequestMetrics:

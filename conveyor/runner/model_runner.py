@@ -131,6 +131,7 @@ class ModelRunner:
         # seconds of the last execute() in (prepare inputs, model forward, LM head, sampling); on CUDA the
         # forward is asynchronous, so its time lands in sampling, which waits for it
         self.last_phases: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+        self.last_prompt_logprobs: dict[str, list[dict[int, float]]] = {}  # of the last execute()
 
     @property
     def kv_dtype_name(self) -> str:
@@ -184,11 +185,44 @@ class ModelRunner:
                              f"({self.bytes_per_block} bytes each)")
         return n
 
+    def _prompt_logprobs(self, items: list[ScheduledItem], query_lens: list[int], hidden: torch.Tensor
+                         ) -> dict[str, list[dict[int, float]]]:
+        """For requests that asked for prompt logprobs: each prompt token's logprob (plus the top-k)
+        under the logits of the row before it, for the prompt rows of this step not collected yet
+        (a chunked prompt contributes chunk by chunk; a recompute after preemption adds nothing)."""
+        out: dict[str, list[dict[int, float]]] = {}
+        end = 0
+        for it, q in zip(items, query_lens):
+            row0, end = end, end + q
+            r = it.request
+            if r.prompt_logprobs is None:
+                continue
+            pos0 = r.num_computed_tokens  # the position of this item's first row
+            first = max(len(r.prompt_logprobs) - 1 - pos0, 0)  # row j predicts the token at pos0 + j + 1
+            last = min(q, r.num_prompt_tokens - 1 - pos0)
+            if last <= first:
+                continue
+            lps = torch.log_softmax(self.model.compute_logits(hidden[row0 + first:row0 + last]), dim=-1)
+            targets = r.prompt_token_ids[pos0 + first + 1:pos0 + last + 1]
+            k = r.params.prompt_logprobs
+            chosen = lps.gather(1, torch.tensor(targets, device=lps.device)[:, None])[:, 0].tolist()
+            top_vals, top_ids = lps.topk(k, dim=-1) if k > 0 else (None, None)
+            entries = []
+            for i, (t, lp) in enumerate(zip(targets, chosen)):
+                entry = {t: lp}
+                if k > 0:
+                    for tid, v in zip(top_ids[i].tolist(), top_vals[i].tolist()):
+                        entry.setdefault(tid, v)
+                entries.append(entry)
+            out[r.request_id] = entries
+        return out
+
     @torch.inference_mode()
     def execute(self, items: list[ScheduledItem], block_tables: list[list[int]],
                 copies: list[tuple[int, int]] = ()) -> SampleResult | None:
         """Run one step. Returns a sample for each item whose pending tokens are now all computed."""
         t0 = time.perf_counter()
+        self.last_prompt_logprobs = {}
         for src, dst in copies:  # copy-on-write of shared, partly filled blocks
             for cache in self.kv_caches:
                 for t in cache:
@@ -216,6 +250,8 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
         t1 = time.perf_counter()
         hidden = self.model(input_ids, pos, self.kv_caches, meta)
+        if any(it.request.prompt_logprobs is not None for it in items):
+            self.last_prompt_logprobs = self._prompt_logprobs(items, query_lens, hidden)
         t2 = time.perf_counter()
         rows, reqs, end = [], [], 0
         for it, q in zip(items, query_lens):

@@ -153,7 +153,9 @@ class Scheduler:
             return False  # max_num_seqs caps the running set too (vLLM), not only one step's batch
         if self._admit_fork(step, req):
             return True
-        cached = self.kv.lookup_prefix(req) if req.num_computed_tokens == 0 else []
+        # a request asking for prompt logprobs computes its whole prompt: a cached prefix has no logits
+        wants_prompt_lp = req.params.prompt_logprobs is not None
+        cached = self.kv.lookup_prefix(req) if req.num_computed_tokens == 0 and not wants_prompt_lp else []
         num_cached = len(cached) * self.kv.block_size
         want = req.num_tokens - req.num_computed_tokens - num_cached
         n = min(want, step.token_budget)

@@ -58,6 +58,7 @@ class _SamplingFields(_Request):
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: Bool = True
     include_stop_str_in_output: Bool = False
+    prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
 
 
 PromptField = Str | list[Str] | list[TokenId] | list[list[TokenId]]
@@ -137,6 +138,7 @@ class CompletionChoice(_Response):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: list[dict[str, dict] | None] | None = None  # vLLM: {token id: {logprob, decoded_token}}
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 

@@ -51,7 +51,7 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
 # Fields OpenAI or vLLM define that this server does not implement yet: refused with a 400 naming the
 # field rather than silently ignored (a client relying on them would get output that ignores them).
 _UNSUPPORTED = ("tools", "functions", "suffix", "response_format", "guided_json", "guided_regex",
-                "guided_choice", "guided_grammar", "structured_outputs", "prompt_logprobs")
+                "guided_choice", "guided_grammar", "structured_outputs")
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> P.UsageInfo:
@@ -164,7 +164,7 @@ class OpenAIServing:
         return await asyncio.to_thread(enc) if len(text) > _TOKENIZE_IN_THREAD_CHARS else enc()
 
     def sampling_params(self, req: P.CompletionRequest | P.ChatCompletionRequest, max_tokens: int | None,
-                        logprobs: int | None) -> SamplingParams:
+                        logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
         ids = req.stop_token_ids or []
         if any(t >= self.vocab_size for t in ids):
             raise bad_request(f"stop_token_ids must be below the vocabulary size ({self.vocab_size})",
@@ -191,7 +191,7 @@ class OpenAIServing:
                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                 repetition_penalty=pick(req.repetition_penalty, "repetition_penalty", 1.0),
                 skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
-                logit_bias=bias)
+                logit_bias=bias, prompt_logprobs=prompt_logprobs)
         except ValueError as e:
             raise bad_request(str(e), str(e).split(" ", 1)[0]) from None
 
@@ -276,7 +276,13 @@ class OpenAIServing:
             max_tokens = req.max_tokens
         else:
             max_tokens = 16
-        params = self.sampling_params(req, max_tokens, req.logprobs)
+        if req.stream and req.prompt_logprobs is not None:
+            raise bad_request("prompt_logprobs is not supported with stream yet", "prompt_logprobs")
+        # prompt logprobs: asked for (vLLM's prompt_logprobs), or what `echo` with `logprobs` shows (non-streaming)
+        plp = req.prompt_logprobs
+        if plp is None and req.echo and req.logprobs is not None and not req.stream:
+            plp = req.logprobs
+        params = self.sampling_params(req, max_tokens, req.logprobs, plp)
         for _, ids in prompts:
             self.check_prompt(ids, params, "prompt")
         api_id = f"cmpl-{uuid.uuid4().hex}"
@@ -299,9 +305,12 @@ class OpenAIServing:
                 lp = None
                 if req.logprobs is not None:
                     lp = self._completion_logprobs(ids if req.echo else [], c.token_ids, c.logprobs,
-                                                   len(echo[i]) if req.echo else 0)
-                choices.append(P.CompletionChoice(index=i * req.n + j, text=(echo[i] or "") + text, logprobs=lp,
-                                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                                                   len(echo[i]) if req.echo else 0, out[i].prompt_logprobs)
+                choices.append(P.CompletionChoice(
+                    index=i * req.n + j, text=(echo[i] or "") + text, logprobs=lp, finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                    prompt_logprobs=self._vllm_prompt_logprobs(out[i].prompt_logprobs)
+                    if req.prompt_logprobs is not None else None))
         prompt_tokens = sum(len(ids) for _, ids in prompts)
         usage = _usage(prompt_tokens, completion_tokens, sum(o.num_cached_tokens for o in out))
         body = P.CompletionResponse(id=api_id, model=model, choices=choices, usage=usage)
@@ -326,15 +335,22 @@ class OpenAIServing:
                 out.append((None, list(p)))
         return out
 
+    def _vllm_prompt_logprobs(self, entries: list | None) -> list | None:
+        if entries is None:
+            return None
+        return [None if e is None else {str(t): {"logprob": _finite(v), "decoded_token": self.token_str(t)}
+                                        for t, v in e.items()} for e in entries]
+
     def _completion_logprobs(self, prompt_ids: list[int], token_ids: list[int], entries: list[dict[int, float]],
-                             offset0: int) -> P.CompletionLogprobs:
+                             offset0: int, prompt_entries: list | None = None) -> P.CompletionLogprobs:
         lp = P.CompletionLogprobs()
         offset = 0
-        for t in prompt_ids:  # echoed prompt: no logprobs computed for prompt tokens
+        for i, t in enumerate(prompt_ids):  # echoed prompt: the first token has no logprob
             s = self.token_str(t)
+            e = prompt_entries[i] if prompt_entries is not None and i < len(prompt_entries) else None
             lp.tokens.append(s)
-            lp.token_logprobs.append(None)
-            lp.top_logprobs.append(None)
+            lp.token_logprobs.append(None if e is None else _finite(e.get(t, -math.inf)))
+            lp.top_logprobs.append(None if e is None else {self.token_str(k): _finite(v) for k, v in e.items()})
             lp.text_offset.append(offset)
             offset += len(s)
         offset = offset0

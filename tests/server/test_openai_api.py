@@ -85,7 +85,10 @@ def test_completion_logprobs_and_echo(client):
     lp = c.logprobs
     n_prompt = r.usage.prompt_tokens
     assert len(lp.tokens) == n_prompt + 4 == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
-    assert lp.token_logprobs[:n_prompt] == [None] * n_prompt
+    # prompt tokens: logprobs from the prefill (the first token has none), with their top-3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:n_prompt])
+    assert all(3 <= len(t) <= 4 for t in lp.top_logprobs[1:n_prompt])
     gen = lp.token_logprobs[n_prompt:]
     assert all(x <= 0 for x in gen)
     for top, tok_lp in zip(lp.top_logprobs[n_prompt:], gen):

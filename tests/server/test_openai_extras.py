@@ -98,3 +98,23 @@ def test_bench_run_against_a_keyed_server(server, tiny_llama, tmp_path, monkeypa
     assert bench_main(argv + ["--api-key", API_KEY]) == 0
     monkeypatch.setenv("OPENAI_API_KEY", API_KEY)  # the key from the environment, as the openai client takes it
     assert bench_main(argv) == 0
+
+
+def test_prompt_logprobs_over_http_match_offline(server, tiny_llama):
+    """vLLM's `prompt_logprobs` extra: one entry per prompt token (None first), as `LLM.generate` gives."""
+    from conveyor import LLM, SamplingParams
+
+    prompt = [5, 17, 42, 99, 7, 8, 9]
+    r = httpx.post(server.base_url + "/completions", headers=server.headers(),
+                   json={"model": MODEL, "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 2, **GREEDY})
+    assert r.status_code == 200, r.text
+    plp = r.json()["choices"][0]["prompt_logprobs"]
+    assert len(plp) == len(prompt) and plp[0] is None
+    llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=16, max_model_len=128)
+    ref = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2),
+                       use_tqdm=False)[0].prompt_logprobs
+    for got, want, tok in zip(plp[1:], ref[1:], prompt[1:]):
+        assert abs(got[str(tok)]["logprob"] - want[tok]) < 1e-3
+    stream = httpx.post(server.base_url + "/completions", headers=server.headers(),
+                        json={"model": MODEL, "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 1, "stream": True})
+    assert stream.status_code == 400 and stream.json()["error"]["param"] == "prompt_logprobs"
