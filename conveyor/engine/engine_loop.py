@@ -376,10 +376,6 @@ class ProcessEngineClient(EngineClient):
     def alive(self) -> bool:
         return self.error is None and not self.ended and self.process.is_alive()
 
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid
-
     def terminate(self) -> None:
         if self.process.is_alive():
             os.kill(self.process.pid, signal.SIGTERM)

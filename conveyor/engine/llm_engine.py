@@ -24,7 +24,7 @@ from conveyor.request import Request, sequence_ids
 from conveyor.runner.model_runner import ModelRunner
 from conveyor.sampling_params import SamplingParams
 from conveyor.scheduler.core import Scheduler, Step
-from conveyor.scheduler.policies import Policy, make_policy
+from conveyor.scheduler.policies import make_policy
 
 log = logging.getLogger("conveyor.engine")
 
@@ -235,10 +235,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    @property
-    def policy(self) -> Policy:
-        return self.scheduler.policy
-
     # --- the step -----------------------------------------------------------------------------------
     def step(self) -> StepOutput:
         start = time.monotonic()
@@ -259,10 +255,11 @@ class LLMEngine:
 
     def _update(self, plan: Step, result) -> list[StepDelta]:
         token_ids = result.token_ids if result else []
-        for it in plan.items:  # prompt logprobs computed this step (before update moves the counters)
-            entries = self.runner.last_prompt_logprobs.get(it.request.request_id)
-            if entries:
-                it.request.prompt_logprobs.extend(entries)
+        if self.runner.last_prompt_logprobs:  # prompt logprobs computed this step (rarely any)
+            for it in plan.items:
+                entries = self.runner.last_prompt_logprobs.get(it.request.request_id)
+                if entries:
+                    it.request.prompt_logprobs.extend(entries)
         sampled = self.scheduler.update(plan, token_ids)
         self.total_prompt_tokens += sum(len(r.prompt_token_ids) for r in plan.admitted if r.num_preemptions == 0)
         deltas = []
