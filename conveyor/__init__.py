@@ -2,10 +2,11 @@
 
 from conveyor.config import EngineConfig
 from conveyor.outputs import CompletionOutput, RequestOutput
-from conveyor.sampling_params import SamplingParams
+from conveyor.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "EngineConfig",
+           "RequestOutput", "CompletionOutput", "__version__"]
 
 
 def __getattr__(name: str):

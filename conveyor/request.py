@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from conveyor.sampling_params import SamplingParams
 
@@ -51,6 +51,7 @@ class Request:
     prompt_logprobs: list[dict[int, float] | None] | None = None  # filled as the prompt is computed
     cumulative_logprob: float = 0.0
     generator: torch.Generator | None = None
+    matcher: Any = field(default=None, repr=False)  # llguidance LLMatcher when the output has a grammar
 
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

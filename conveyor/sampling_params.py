@@ -7,10 +7,78 @@ engine.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 _GREEDY_EPS = 1e-5
+# JSON as models mostly saw it in training (`json.dumps`' separators), with no free whitespace: a small
+# model offered "any whitespace" can loop on newlines forever inside an otherwise valid object
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain a request's output to a grammar (vLLM's `StructuredOutputsParams`): exactly one of a
+    JSON schema, any JSON object, a regular expression, a choice of strings, or a Lark grammar
+    (llguidance's dialect). Checked here, so a malformed schema fails where the request is made,
+    with the grammar library's own message; the engine compiles it into a token matcher
+    (`conveyor/engine/structured_output.py`)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    spec: str = field(init=False, repr=False, compare=False, default="")  # the llguidance grammar
+
+    def __post_init__(self) -> None:
+        kinds = self._kinds()
+        if len(kinds) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of json, regex, choice, grammar or json_object, "
+                             f"got {kinds or 'none'}")
+        object.__setattr__(self, "spec", self._grammar(kinds[0]))
+        from llguidance import LLMatcher
+
+        error = LLMatcher.validate_grammar(self.spec)
+        if error:
+            raise ValueError(f"structured_outputs: invalid {kinds[0]}: {error.strip()}")
+
+    def _kinds(self) -> list[str]:
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        return kinds + (["json_object"] if self.json_object else [])
+
+    @property
+    def kind(self) -> str:
+        return self._kinds()[0]
+
+    def _grammar(self, kind: str) -> str:
+        from llguidance import LLMatcher
+
+        if kind in ("json", "json_object"):
+            schema: Any = {"type": "object"} if kind == "json_object" else self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as e:
+                    raise ValueError(f"structured_outputs: the JSON schema is not valid JSON: {e}") from None
+            if not isinstance(schema, dict):
+                raise ValueError("structured_outputs: a JSON schema must be a JSON object")
+            return LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+        if kind == "regex":
+            if not isinstance(self.regex, str):
+                raise ValueError("structured_outputs: regex must be a string")
+            return LLMatcher.grammar_from_regex(self.regex)
+        if kind == "choice":
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise ValueError("structured_outputs: choice must be a non-empty list of non-empty strings")
+            # Lark string literals take JSON's escapes, so any choice (quotes, backslashes) is exact
+            return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
+        if not isinstance(self.grammar, str) or not self.grammar.strip():
+            raise ValueError("structured_outputs: grammar must be a non-empty Lark grammar")
+        return LLMatcher.grammar_from_lark(self.grammar)
 
 
 @dataclass
@@ -36,6 +104,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI: -100..100)
+    structured_outputs: StructuredOutputsParams | None = None  # JSON schema, regex, choice or grammar
     stop_list: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -99,6 +168,9 @@ class SamplingParams:
                 finite("logit_bias", b)
                 if not -100 <= b <= 100:
                     raise bad("logit_bias", f"values must be in [-100, 100], got {b}")
+
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:

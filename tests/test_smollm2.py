@@ -106,10 +106,10 @@ def test_outputs_do_not_change_in_a_crowd(monkeypatch):
     seen: dict[str, list[float]] = defaultdict(list)
     real = model_runner.sample
 
-    def recording(logits, reqs):
+    def recording(logits, reqs, grammar=None):
         for r, v in zip(reqs, logits.max(dim=-1).values.tolist()):
             seen[r.request_id].append(v)
-        return real(logits, reqs)
+        return real(logits, reqs, grammar)
 
     monkeypatch.setattr(model_runner, "sample", recording)
     alone = {}
@@ -122,3 +122,26 @@ def test_outputs_do_not_change_in_a_crowd(monkeypatch):
     for rid in probes:
         assert crowded[rid] == alone[rid], rid
         assert seen[rid] == alone_top1[rid], rid
+
+
+def test_structured_outputs_give_sensible_json(smol):
+    """The real model under a grammar: any JSON object (json_object) and a schema answer, parsed."""
+    import json
+
+    import jsonschema
+
+    from conveyor import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                               "country": {"type": "string", "maxLength": 30}},
+              "required": ["city", "country"], "additionalProperties": False}
+    convs = [[{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
+             [{"role": "user", "content": "Describe a cat as a JSON object."}]]
+    params = [SamplingParams(temperature=0, max_tokens=64, structured_outputs=StructuredOutputsParams(json=schema)),
+              SamplingParams(temperature=0, max_tokens=200, structured_outputs=StructuredOutputsParams(
+                  json_object=True))]
+    capital, cat = smol.chat(convs, params, use_tqdm=False)
+    answer = json.loads(capital.outputs[0].text)
+    jsonschema.validate(answer, schema)
+    assert answer["city"] == "Paris" and capital.outputs[0].finish_reason == "stop"
+    assert isinstance(json.loads(cat.outputs[0].text), dict), cat.outputs[0].text

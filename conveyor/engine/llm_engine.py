@@ -17,6 +17,7 @@ import torch
 
 from conveyor.config import EngineConfig
 from conveyor.engine.output_processor import Detokenizer, apply_stop, make_delta
+from conveyor.engine.structured_output import StructuredOutputManager
 from conveyor.kv_cache import KVCacheManager
 from conveyor.model.loader import default_sampling, load_checkpoint
 from conveyor.outputs import StepDelta
@@ -29,7 +30,7 @@ from conveyor.scheduler.policies import make_policy
 log = logging.getLogger("conveyor.engine")
 
 
-STEP_PHASES = ("schedule", "prepare", "forward", "lm_head", "sample", "update")
+STEP_PHASES = ("schedule", "grammar", "prepare", "forward", "lm_head", "sample", "update")
 
 
 @dataclass
@@ -138,6 +139,7 @@ class LLMEngine:
             self.max_model_len = min(model_ctx, pool_tokens)
         self.detok = Detokenizer(self.tokenizer)
         self.eos_token_ids = frozenset(ckpt.config.eos_token_ids)
+        self.structured = StructuredOutputManager(self.tokenizer, ckpt.config.vocab_size, self.eos_token_ids)
         self._ids = itertools.count()
         self.reset(config)
         r = self.runner
@@ -196,6 +198,8 @@ class LLMEngine:
         if any(rid in self.scheduler.requests for rid in ids):
             raise ValueError(f"request_id {request_id!r} is already in use")
         arrival = arrival_time if arrival_time is not None else time.monotonic()
+        so = params.structured_outputs
+        matchers = [self.structured.matcher(so) for _ in ids] if so is not None else [None] * len(ids)
         self.scheduler.input_ended = False  # more input came: `end_input()` must be said again
         reqs = []
         for i, rid in enumerate(ids):
@@ -203,6 +207,7 @@ class LLMEngine:
                           eos_token_ids=self.eos_token_ids, parent_id=request_id if params.n > 1 else None,
                           index=i, priority=priority, arrival_time=arrival, cache_salt=cache_salt,
                           fork_from=reqs[0] if reqs else None)
+            req.matcher = matchers[i]
             self.scheduler.add(req)
             reqs.append(req)
         return reqs
@@ -242,18 +247,23 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         tables = [self.kv.block_tables[it.request.request_id] for it in plan.items]
         t1 = time.perf_counter()
-        result = self.runner.execute(plan.items, tables, self.kv.take_copies())
+        grammar = self.structured.bitmask([it.request for it in plan.items if it.samples])
+        tg = time.perf_counter()
+        result = self.runner.execute(plan.items, tables, self.kv.take_copies(), grammar)
         t2 = time.perf_counter()
         deltas = self._update(plan, result)
+        t3 = time.perf_counter()
         prepare, forward, lm_head, sample = self.runner.last_phases
-        phases = {"schedule": t1 - t0, "prepare": prepare, "forward": forward, "lm_head": lm_head, "sample": sample,
-                  "update": time.perf_counter() - t2 + max(t2 - t1 - prepare - forward - lm_head - sample, 0.0)}
+        phases = {"schedule": t1 - t0, "grammar": tg - t1 + self._grammar_update_s, "prepare": prepare,
+                  "forward": forward, "lm_head": lm_head, "sample": sample,
+                  "update": t3 - t2 - self._grammar_update_s + max(t2 - tg - prepare - forward - lm_head - sample, 0.0)}
         for k, v in phases.items():
             self.phase_seconds[k] += v
         stats = self._stats(plan, start, phases) if plan.items else None
         return StepOutput(deltas, stats)
 
     def _update(self, plan: Step, result) -> list[StepDelta]:
+        self._grammar_update_s = 0.0  # time spent advancing grammar matchers (a "grammar" phase cost)
         token_ids = result.token_ids if result else []
         if self.runner.last_prompt_logprobs:  # prompt logprobs computed this step (rarely any)
             for it in plan.items:
@@ -273,6 +283,11 @@ class LLMEngine:
             self.total_generation_tokens += 1
             piece = self.detok.decode_token(req, tok)
             stop = apply_stop(req, tok, piece, self.max_model_len)
+            if req.matcher is not None:
+                tg = time.perf_counter()
+                if self.structured.accept(req, tok) and stop is None:
+                    stop = ("stop", None)  # the grammar is complete
+                self._grammar_update_s += time.perf_counter() - tg
             if stop is not None:
                 self.scheduler.finish(req, stop[0], stop[1])
             text = self.detok.take_new_text(req, final=stop is not None)

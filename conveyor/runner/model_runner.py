@@ -15,6 +15,7 @@ import psutil
 import torch
 
 from conveyor.config import EngineConfig
+from conveyor.engine.structured_output import GrammarMask
 from conveyor.model.attention import KV_SCALE_DTYPE, build_metadata, cache_shapes, choose_backend, scale_shape
 from conveyor.model.llama import LlamaModel, ModelConfig, rope_inv_freq
 from conveyor.model.packed_linear import PackedLinear, pack_linears, packing_available
@@ -219,8 +220,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, items: list[ScheduledItem], block_tables: list[list[int]],
-                copies: list[tuple[int, int]] = ()) -> SampleResult | None:
-        """Run one step. Returns a sample for each item whose pending tokens are now all computed."""
+                copies: list[tuple[int, int]] = (), grammar: GrammarMask | None = None) -> SampleResult | None:
+        """Run one step. Returns a sample for each item whose pending tokens are now all computed
+        (`grammar` masks the rows, in that order, whose output has a grammar)."""
         t0 = time.perf_counter()
         self.last_prompt_logprobs = {}
         for src, dst in copies:  # copy-on-write of shared, partly filled blocks
@@ -264,6 +266,6 @@ class ModelRunner:
             return SampleResult([], [], [])
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=dev)])
         t3 = time.perf_counter()
-        result = sample(logits, reqs)
+        result = sample(logits, reqs, grammar)
         self.last_phases = (t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
         return result

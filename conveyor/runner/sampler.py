@@ -1,18 +1,22 @@
 """Choose the next token for every request in a step, vectorised over the batch.
 
-Order (as in vLLM): penalties -> logit_bias -> min_tokens EOS masking -> temperature -> top-k -> top-p -> min-p ->
-sample. Greedy rows take the argmax of the penalised logits. Random rows use the exponential-race
-trick (argmax of p / E, E ~ Exp(1)), which equals multinomial sampling; a seeded request draws its E
-from its own generator, so its tokens do not depend on what else is in the batch.
+Order (as in vLLM): penalties -> logit_bias -> grammar mask -> min_tokens EOS masking -> temperature ->
+top-k -> top-p -> min-p -> sample. Greedy rows take the argmax of the penalised logits. Random rows use
+the exponential-race trick (argmax of p / E, E ~ Exp(1)), which equals multinomial sampling; a seeded
+request draws its E from its own generator, so its tokens do not depend on what else is in the batch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from conveyor.request import Request
+
+if TYPE_CHECKING:
+    from conveyor.engine.structured_output import GrammarMask
 
 
 @dataclass
@@ -42,8 +46,9 @@ def _penalise(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     return logits
 
 
-def sample(logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
-    """logits: [B, V] float32, one row per request that samples this step."""
+def sample(logits: torch.Tensor, reqs: list[Request], grammar: GrammarMask | None = None) -> SampleResult:
+    """logits: [B, V] float32, one row per request that samples this step; `grammar`: the allowed
+    tokens of the rows whose output is constrained (structured outputs)."""
     b, v = logits.shape
     dev = logits.device
     if any(r.params.needs_penalties for r in reqs):
@@ -52,8 +57,10 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
         if r.params.logit_bias:
             ids = torch.tensor(list(r.params.logit_bias), device=dev)
             logits[i, ids] += torch.tensor(list(r.params.logit_bias.values()), dtype=logits.dtype, device=dev)
-    for i, r in enumerate(reqs):  # min_tokens: EOS and stop ids are not allowed yet
-        if len(r.output_token_ids) < r.params.min_tokens:
+    if grammar is not None:
+        grammar.apply(logits)
+    for i, r in enumerate(reqs):  # min_tokens: EOS and stop ids are not allowed yet (a grammar decides alone)
+        if len(r.output_token_ids) < r.params.min_tokens and r.matcher is None:
             banned = list(r.params.stop_token_ids) + ([] if r.params.ignore_eos else list(r.eos_token_ids))
             if banned:
                 logits[i, torch.tensor(banned, device=dev)] = float("-inf")

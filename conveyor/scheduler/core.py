@@ -77,6 +77,8 @@ class Scheduler:
     def _release_held(self, source: Request) -> None:
         """Send `source`'s held siblings to the head of the queue (they fork if it still runs)."""
         for sib in reversed(self.held.pop(source.request_id, [])):
+            if sib.prompt_logprobs is not None and len(source.prompt_logprobs or ()) > len(sib.prompt_logprobs):
+                sib.prompt_logprobs = list(source.prompt_logprobs)  # the shared prompt's, computed once
             self.waiting.appendleft(sib)
 
     def abort(self, request_id: str) -> Request | None:

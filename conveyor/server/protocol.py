@@ -32,6 +32,30 @@ class StreamOptions(_Request):
     continuous_usage_stats: Bool = False
 
 
+class JsonSchemaFormat(_Request):
+    name: Str | None = None
+    description: Str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # `schema` would shadow a pydantic method
+    strict: Bool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's response_format: plain text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Request):
+    """vLLM's `structured_outputs` extra: one of a JSON schema, a regex, a choice or a Lark grammar."""
+
+    json_: dict[str, Any] | Str | None = Field(None, alias="json")
+    regex: Str | None = None
+    choice: list[Str] | None = None
+    grammar: Str | None = None
+    json_object: Bool | None = None
+
+
 class _SamplingFields(_Request):
     """Fields shared by completions and chat (OpenAI's plus vLLM's extras)."""
 
@@ -59,6 +83,13 @@ class _SamplingFields(_Request):
     skip_special_tokens: Bool = True
     include_stop_str_in_output: Bool = False
     prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* names
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | Str | None = None
+    guided_regex: Str | None = None
+    guided_choice: list[Str] | None = None
+    guided_grammar: Str | None = None
 
 
 PromptField = Str | list[Str] | list[TokenId] | list[list[TokenId]]

@@ -24,7 +24,7 @@ from starlette.types import Receive, Scope, Send
 from conveyor.engine.llm_engine import validate_prompt
 from conveyor.engine.output_processor import RequestOutputBuilder
 from conveyor.outputs import RequestOutput
-from conveyor.sampling_params import SamplingParams
+from conveyor.sampling_params import SamplingParams, StructuredOutputsParams
 from conveyor.server import protocol as P
 from conveyor.server.async_engine import AsyncEngine, EngineDeadError, EngineInput, QueueFullError, Submission
 
@@ -50,8 +50,7 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
 
 # Fields OpenAI or vLLM define that this server does not implement yet: refused with a 400 naming the
 # field rather than silently ignored (a client relying on them would get output that ignores them).
-_UNSUPPORTED = ("tools", "functions", "suffix", "response_format", "guided_json", "guided_regex",
-                "guided_choice", "guided_grammar", "structured_outputs")
+_UNSUPPORTED = ("tools", "functions", "suffix")
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> P.UsageInfo:
@@ -65,8 +64,6 @@ def refuse_unsupported(data: dict) -> None:
         value = data.get(name)
         if value in (None, [], "", {}):
             continue
-        if name == "response_format" and isinstance(value, dict) and value.get("type") == "text":
-            continue  # plain text is what every response is
         raise bad_request(f"'{name}' is not supported by this server yet", name)
     for name in ("tool_choice", "function_call"):
         if data.get(name) not in (None, "none"):
@@ -164,7 +161,8 @@ class OpenAIServing:
         return await asyncio.to_thread(enc) if len(text) > _TOKENIZE_IN_THREAD_CHARS else enc()
 
     def sampling_params(self, req: P.CompletionRequest | P.ChatCompletionRequest, max_tokens: int | None,
-                        logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+                        logprobs: int | None, prompt_logprobs: int | None = None,
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
         ids = req.stop_token_ids or []
         if any(t >= self.vocab_size for t in ids):
             raise bad_request(f"stop_token_ids must be below the vocabulary size ({self.vocab_size})",
@@ -191,9 +189,42 @@ class OpenAIServing:
                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                 repetition_penalty=pick(req.repetition_penalty, "repetition_penalty", 1.0),
                 skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
-                logit_bias=bias, prompt_logprobs=prompt_logprobs)
+                logit_bias=bias, prompt_logprobs=prompt_logprobs, structured_outputs=structured)
         except ValueError as e:
             raise bad_request(str(e), str(e).split(" ", 1)[0]) from None
+
+    async def structured_outputs(self, req: P.CompletionRequest | P.ChatCompletionRequest
+                                 ) -> StructuredOutputsParams | None:
+        """The request's output grammar, from whichever of OpenAI's `response_format`, vLLM's
+        `structured_outputs` or its `guided_*` fields names one (more than one is a 400). Checked
+        off the event loop: a large schema takes milliseconds to validate."""
+        given: list[tuple[str, dict]] = []
+        rf = req.response_format
+        if rf is not None and rf.type == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise bad_request("response_format of type json_schema needs json_schema.schema",
+                                  "response_format.json_schema")
+            given.append(("response_format", {"json": rf.json_schema.schema_}))
+        so = req.structured_outputs
+        if so is not None:
+            fields = so.model_dump(by_alias=True, exclude_none=True)
+            given.append(("structured_outputs", fields))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar")):
+            if getattr(req, name) is not None:
+                given.append((name, {key: getattr(req, name)}))
+        if not given:
+            return None
+        if len(given) > 1:
+            raise bad_request(f"give one output constraint, not {len(given)} ({', '.join(n for n, _ in given)})",
+                              given[1][0])
+        name, fields = given[0]
+        try:
+            return await asyncio.to_thread(StructuredOutputsParams, **fields)
+        except ValueError as e:
+            raise bad_request(str(e).replace("structured_outputs", name, 1), name) from None
 
     def check_prompt(self, ids: list[int], params: SamplingParams, param: str) -> None:
         n, limit = len(ids), self.max_model_len
@@ -276,13 +307,11 @@ class OpenAIServing:
             max_tokens = req.max_tokens
         else:
             max_tokens = 16
-        if req.stream and req.prompt_logprobs is not None:
-            raise bad_request("prompt_logprobs is not supported with stream yet", "prompt_logprobs")
         # prompt logprobs: asked for (vLLM's prompt_logprobs), or what `echo` with `logprobs` shows (non-streaming)
         plp = req.prompt_logprobs
         if plp is None and req.echo and req.logprobs is not None and not req.stream:
             plp = req.logprobs
-        params = self.sampling_params(req, max_tokens, req.logprobs, plp)
+        params = self.sampling_params(req, max_tokens, req.logprobs, plp, await self.structured_outputs(req))
         for _, ids in prompts:
             self.check_prompt(ids, params, "prompt")
         api_id = f"cmpl-{uuid.uuid4().hex}"
@@ -385,7 +414,8 @@ class OpenAIServing:
                 completion_tokens += len(d.new_token_ids)
                 if d.finished and d.index == 0:
                     cached += d.extra.get("num_cached_tokens", 0)
-                if not d.new_text and not d.finished and req.logprobs is None:
+                prompt_lps = d.extra.get("prompt_logprobs")  # with each sequence's first token (vLLM)
+                if not d.new_text and not d.finished and req.logprobs is None and prompt_lps is None:
                     continue
                 lp = None
                 if req.logprobs is not None and d.new_logprobs:
@@ -394,7 +424,8 @@ class OpenAIServing:
                     offsets[d.request_id] = off + sum(len(s) for s in lp.tokens)
                 index = index_of[d.group_id] * req.n + d.index
                 yield chunk(P.CompletionChoice(index=index, text=d.new_text, logprobs=lp,
-                                               finish_reason=d.finish_reason, stop_reason=d.stop_reason))
+                                               finish_reason=d.finish_reason, stop_reason=d.stop_reason,
+                                               prompt_logprobs=self._vllm_prompt_logprobs(prompt_lps)))
             if include_usage:
                 usage = _usage(sum(len(ids) for _, ids in prompts), completion_tokens, cached)
                 yield _sse(P.CompletionChunk(id=sub.api_id, created=created, model=model, choices=[], usage=usage))
@@ -415,7 +446,8 @@ class OpenAIServing:
         max_tokens = req.max_completion_tokens or req.max_tokens
         if max_tokens is None:
             max_tokens = max(self.max_model_len - len(ids), 1)
-        params = self.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        params = self.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
+                                      structured=await self.structured_outputs(req))
         self.check_prompt(ids, params, "messages")
         api_id = f"chatcmpl-{uuid.uuid4().hex}"
         sub = self.submit(api_id, [EngineInput(f"{api_id}-0", ids, params, req.priority)])

@@ -3,6 +3,8 @@ unsupported fields refused by name, and `conveyor bench run` against a server th
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -68,9 +70,7 @@ def test_tokenize_and_detokenize(server):
 
 
 @pytest.mark.parametrize("field,value", [("tools", [{"type": "function", "function": {"name": "f"}}]),
-                                         ("suffix", "tail"), ("response_format", {"type": "json_object"}),
-                                         ("best_of", 3), ("guided_json", {"type": "object"}),
-                                         ("tool_choice", "auto")])
+                                         ("suffix", "tail"), ("best_of", 3), ("tool_choice", "auto")])
 def test_unsupported_fields_are_refused_by_name(server, field, value):
     for path, body in (("/v1/completions", {"prompt": "hi"}),
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
@@ -115,6 +115,20 @@ def test_prompt_logprobs_over_http_match_offline(server, tiny_llama):
                        use_tqdm=False)[0].prompt_logprobs
     for got, want, tok in zip(plp[1:], ref[1:], prompt[1:]):
         assert abs(got[str(tok)]["logprob"] - want[tok]) < 1e-3
-    stream = httpx.post(server.base_url + "/completions", headers=server.headers(),
-                        json={"model": MODEL, "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 1, "stream": True})
-    assert stream.status_code == 400 and stream.json()["error"]["param"] == "prompt_logprobs"
+    # streamed: each choice's first chunk carries them (n=2: both choices, the same entries)
+    with httpx.stream("POST", server.base_url + "/completions", headers=server.headers(),
+                      json={"model": MODEL, "prompt": prompt, "max_tokens": 3, "prompt_logprobs": 1, "n": 2,
+                            "stream": True, "temperature": 1.0, "seed": 1}) as stream:
+        assert stream.status_code == 200
+        chunks = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
+    firsts = {}
+    for c in chunks:
+        for ch in c["choices"]:
+            if ch.get("prompt_logprobs") is not None:
+                assert ch["index"] not in firsts  # only once per choice
+                firsts[ch["index"]] = ch["prompt_logprobs"]
+    assert set(firsts) == {0, 1}
+    for got in firsts.values():
+        assert len(got) == len(prompt) and got[0] is None
+        for g, want, tok in zip(got[1:], ref[1:], prompt[1:]):
+            assert abs(g[str(tok)]["logprob"] - want[tok]) < 1e-3

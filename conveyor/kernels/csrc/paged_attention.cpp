@@ -404,6 +404,7 @@ void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, tor
 torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
 void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
+void apply_token_bitmask_(torch::Tensor logits, torch::Tensor bits, torch::Tensor rows);
 
 // Every op releases the GIL while it runs: the server's event loop keeps streaming meanwhile.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -418,4 +419,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "[residual +=] x; RMSNorm (CPU)", release());
   m.def("rope_", &rope_, "rotary embedding in place (CPU)", release());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU)", release());
+  m.def("apply_token_bitmask_", &apply_token_bitmask_, "ban the logits a grammar's bitmask excludes (CPU)",
+        release());
 }
