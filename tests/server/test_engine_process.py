@@ -83,8 +83,9 @@ def test_stream_abort_and_engine_death(tiny_llama):
                                           extra_body={"ignore_eos": True})
         assert "".join(chunks) == whole.choices[0].text and whole.usage.completion_tokens == 12
         # a grammar crosses the process boundary (the engine process compiles its own matcher)
-        r = client.completions.create(model=MODEL, prompt="n:", max_tokens=20, temperature=1.0, seed=4,
-                                      extra_body={"guided_regex": "[0-9]{4}"})
+        # (a longer timeout: the first grammar builds llguidance's view of the tokenizer in the child)
+        r = client.with_options(timeout=120).completions.create(
+            model=MODEL, prompt="n:", max_tokens=20, temperature=1.0, seed=4, extra_body={"guided_regex": "[0-9]{4}"})
         assert len(r.choices[0].text) == 4 and r.choices[0].text.isdigit()
         # a client that disconnects mid-stream: its sequence is aborted and its blocks are freed
         before = metric(url, "conveyor:request_success_total", finished_reason="abort")
