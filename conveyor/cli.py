@@ -50,6 +50,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--generation-config", default="auto",
                    help="sampling defaults for requests that set none: auto = the model's generation_config.json "
                         "(built-in models: their card's), vllm = none (temperature 1, top_p 1), or a folder")
+    g.add_argument("--speculative-config", default=None,
+                   help='speculative decoding as vLLM takes it, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (default: off)')
     g.add_argument("--threads", type=int, default=None,
                    help="torch compute threads (default: one per physical core)")
 
@@ -106,7 +109,7 @@ def engine_config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching, admission_reserve=args.admission_reserve,
         seed=args.seed, attention_backend=args.attention_backend, threads=args.threads,
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-        generation_config=args.generation_config, **extra,
+        generation_config=args.generation_config, speculative_config=args.speculative_config, **extra,
     )
 
 

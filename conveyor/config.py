@@ -35,6 +35,7 @@ class EngineConfig:
     threads: int | None = None  # torch compute threads; None: one per physical core (CPU)
     served_model_name: str | None = None
     generation_config: str = "auto"  # auto | vllm | a folder: sampling defaults (model/loader.py)
+    speculative_config: dict | str | None = None  # vLLM's: {"method": "ngram", "num_speculative_tokens": 5, ...}
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -52,6 +52,7 @@ class Request:
     cumulative_logprob: float = 0.0
     generator: torch.Generator | None = None
     matcher: Any = field(default=None, repr=False)  # llguidance LLMatcher when the output has a grammar
+    spec_token_ids: list[int] = field(default_factory=list)  # guessed next tokens, verified in the next step
 
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -109,11 +110,12 @@ class ScheduledItem:
     """One request's share of a step: feed `num_tokens` tokens starting at its `num_computed_tokens`."""
 
     request: Request
-    num_tokens: int
+    num_tokens: int  # including `num_draft` guessed tokens after the real ones
+    num_draft: int = 0
 
     @property
     def samples(self) -> bool:
-        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+        return self.request.num_computed_tokens + self.num_tokens - self.num_draft == self.request.num_tokens
 
 
 def sequence_ids(request_id: str, n: int) -> list[str]:

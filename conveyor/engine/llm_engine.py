@@ -13,10 +13,19 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from conveyor.config import EngineConfig
 from conveyor.engine.output_processor import Detokenizer, apply_stop, make_delta
+from conveyor.engine.speculative import (
+    SpecBackoff,
+    SpecStats,
+    SpeculativeConfig,
+    can_speculate,
+    measure_forward_costs,
+    ngram_propose,
+)
 from conveyor.engine.structured_output import StructuredOutputManager
 from conveyor.kv_cache import KVCacheManager
 from conveyor.model.loader import default_sampling, load_checkpoint
@@ -80,6 +89,10 @@ class EngineSnapshot:
     prefix_queries: int
     prefix_hits: int
     phase_seconds: tuple[tuple[str, float], ...]
+    spec_drafts: int = 0  # speculative decoding: drafts verified, tokens guessed and kept, kept per position
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -140,6 +153,14 @@ class LLMEngine:
         self.detok = Detokenizer(self.tokenizer)
         self.eos_token_ids = frozenset(ckpt.config.eos_token_ids)
         self.structured = StructuredOutputManager(self.tokenizer, ckpt.config.vocab_size, self.eos_token_ids)
+        self.spec = SpeculativeConfig.parse(config.speculative_config)
+        self.spec_backoff: SpecBackoff | None = None
+        if self.spec is not None and self.spec.backoff:
+            costs = measure_forward_costs(self.runner, min(config.max_num_seqs * (self.spec.num_speculative_tokens + 1),
+                                                           512))
+            self.spec_backoff = SpecBackoff(costs)
+            log.info("speculative decoding (%s, up to %d tokens): forward cost per row count %s", self.spec.method,
+                     self.spec.num_speculative_tokens, {n: f"{1e3 * t:.1f}ms" for n, t in costs.items()})
         self._ids = itertools.count()
         self.reset(config)
         r = self.runner
@@ -173,6 +194,8 @@ class LLMEngine:
         self.total_prompt_tokens = 0
         self.total_generation_tokens = 0
         self.phase_seconds = dict.fromkeys(STEP_PHASES, 0.0)  # cumulative, for the log, /metrics and the lab
+        self.spec_stats = SpecStats()
+        self.spec_skipped_steps = 0  # steps where guesses were ready but the back-off said they would not pay
         if config.seed is not None:  # as vLLM's --seed: requests without a seed draw from this generator
             torch.manual_seed(config.seed)
 
@@ -275,29 +298,75 @@ class LLMEngine:
         deltas = []
         lp_iter = iter(result.logprobs if result else [])
         sp_iter = iter(result.sampled_logprobs if result else [])
-        for req, tok in sampled:
-            lp, slp = next(lp_iter), next(sp_iter)
-            if lp is not None:
-                req.logprobs.append(lp)
-                req.cumulative_logprob += slp
-            self.total_generation_tokens += 1
-            piece = self.detok.decode_token(req, tok)
-            stop = apply_stop(req, tok, piece, self.max_model_len)
-            if req.matcher is not None:
-                tg = time.perf_counter()
-                if self.structured.accept(req, tok) and stop is None:
-                    stop = ("stop", None)  # the grammar is complete
-                self._grammar_update_s += time.perf_counter() - tg
-            if stop is not None:
-                self.scheduler.finish(req, stop[0], stop[1])
+        drafts = {it.request.request_id: it.num_draft for it in plan.items if it.num_draft}
+        for req, toks in sampled:
+            lps, slps = next(lp_iter), next(sp_iter)
+            if req.request_id in drafts:
+                self._record_spec(drafts[req.request_id], len(toks) - 1)
+            # the scheduler appended every new token; take them back and add them one at a time, so that
+            # stop checks (max_tokens, EOS, stop strings) see each prefix and the first stop wins
+            del req.output_token_ids[len(req.output_token_ids) - len(toks):]
+            stop, kept_lps = None, []
+            for j, tok in enumerate(toks):
+                req.output_token_ids.append(tok)
+                if lps[j] is not None:
+                    req.logprobs.append(lps[j])
+                    req.cumulative_logprob += slps[j]
+                    kept_lps.append(lps[j])
+                self.total_generation_tokens += 1
+                piece = self.detok.decode_token(req, tok)
+                stop = apply_stop(req, tok, piece, self.max_model_len)
+                if req.matcher is not None:
+                    tg = time.perf_counter()
+                    if self.structured.accept(req, tok) and stop is None:
+                        stop = ("stop", None)  # the grammar is complete
+                    self._grammar_update_s += time.perf_counter() - tg
+                if stop is not None:
+                    toks = toks[:j + 1]
+                    self.scheduler.finish(req, stop[0], stop[1])
+                    break
             text = self.detok.take_new_text(req, final=stop is not None)
-            delta = make_delta(req, [tok], text, lp)
+            delta = make_delta(req, list(toks), text, kept_lps)
             if req.prompt_logprobs is not None and len(req.output_token_ids) == 1:
                 delta.extra["prompt_logprobs"] = list(req.prompt_logprobs)  # with the first token, as vLLM
             deltas.append(delta)
             if stop is not None:
                 self.detok.release(req.request_id)
+        if self.spec is not None:
+            self._propose()
         return deltas
+
+    # --- speculative decoding -------------------------------------------------------------------------
+    def _record_spec(self, proposed: int, accepted: int) -> None:
+        self.spec_stats.record(proposed, accepted)
+        if self.spec_backoff is not None:
+            self.spec_backoff.observe(proposed, accepted)
+
+    def _propose(self) -> None:
+        """Guess the next tokens of every decoding sequence that may speculate (ngram prompt lookup),
+        unless the batch is past the point where extra rows pay (`SpecBackoff`)."""
+        cfg = self.spec
+        running = self.scheduler.running
+        decoding = [r for r in running if r.num_remaining_work == 1 and can_speculate(r)]
+        if not decoding or (cfg.disable_by_batch_size is not None and len(running) >= cfg.disable_by_batch_size):
+            return
+        guesses: list[tuple[Request, list[int]]] = []
+        for r in decoding:
+            room = min(cfg.num_speculative_tokens, r.max_tokens - len(r.output_token_ids) - 1,
+                       self.max_model_len - r.num_tokens - 1)
+            if room <= 0:
+                continue
+            g = ngram_propose(np.asarray(r.all_token_ids), room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            if g:
+                guesses.append((r, g))
+        total = sum(len(g) for _, g in guesses)
+        if self.spec_backoff is not None:
+            other = sum(r.num_remaining_work for r in running) - len(decoding)
+            if not self.spec_backoff.worth_it(len(decoding), other, total):
+                self.spec_skipped_steps += 1
+                return
+        for r, g in guesses:
+            r.spec_token_ids = g
 
     def _stats(self, plan: Step, start: float, phases: dict[str, float]) -> StepStats:
         bs = self.config.block_size
@@ -323,7 +392,10 @@ class LLMEngine:
             kv_blocks_total=self.kv.pool.num_blocks, prompt_tokens=self.total_prompt_tokens,
             generation_tokens=self.total_generation_tokens, preemptions=self.scheduler.num_preemptions,
             prefix_queries=self.kv.prefix_queries, prefix_hits=self.kv.prefix_hits,
-            phase_seconds=tuple(self.phase_seconds.items()))
+            phase_seconds=tuple(self.phase_seconds.items()), spec_drafts=self.spec_stats.num_drafts,
+            spec_draft_tokens=self.spec_stats.num_draft_tokens,
+            spec_accepted_tokens=self.spec_stats.num_accepted_tokens,
+            spec_accepted_per_pos=tuple(self.spec_stats.accepted_per_pos))
 
     @property
     def num_running(self) -> int:

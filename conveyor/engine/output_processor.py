@@ -97,7 +97,7 @@ def apply_stop(req: Request, token: int, piece: str, max_model_len: int) -> tupl
     return stop
 
 
-def make_delta(req: Request, new_tokens: list[int], new_text: str, logprob: dict | None) -> StepDelta:
+def make_delta(req: Request, new_tokens: list[int], new_text: str, logprobs: list[dict] | None) -> StepDelta:
     # a sequence's last delta carries what the caller's metrics need from the engine's side
     extra = {"first_scheduled_time": req.first_scheduled_time, "num_cached_tokens": req.num_cached_tokens,
              "num_preemptions": req.num_preemptions} if req.finish_reason is not None else {}
@@ -107,7 +107,7 @@ def make_delta(req: Request, new_tokens: list[int], new_text: str, logprob: dict
         index=req.index,
         new_token_ids=new_tokens,
         new_text=new_text,
-        new_logprobs=[logprob] if logprob is not None else None,
+        new_logprobs=logprobs or None,
         finish_reason=req.finish_reason,
         stop_reason=req.stop_reason,
         extra=extra,

@@ -135,6 +135,15 @@ class KVCacheManager:
             self.pool.cache_block(table[i], hashes[i])
         self._num_indexed[req.request_id] = num_full
 
+    def truncate(self, req: Request, num_tokens: int) -> None:
+        """Keep only the blocks that hold the request's first `num_tokens` tokens (speculative
+        decoding: the rest held rejected guesses). Never touches an indexed (cached) block."""
+        table = self.block_tables.get(req.request_id)
+        keep = max(-(-num_tokens // self.block_size), self._num_indexed.get(req.request_id, 0))
+        if table and len(table) > keep:
+            self.pool.release(table[keep:])
+            del table[keep:]
+
     def free(self, req: Request) -> None:
         table = self.block_tables.pop(req.request_id, None)
         if table:

@@ -240,6 +240,9 @@ class ModelRunner:
             end = start + it.num_tokens
             if it.num_tokens == 1 and end == r.num_tokens:
                 ids.append(r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1])
+            elif it.num_draft:  # the last real token, then the guesses to verify
+                ids.extend(r.all_token_ids[start:end - it.num_draft])
+                ids.extend(r.spec_token_ids[:it.num_draft])
             else:
                 ids.extend(r.all_token_ids[start:end])
             positions.extend(range(start, end))
@@ -258,14 +261,39 @@ class ModelRunner:
         rows, reqs, end = [], [], 0
         for it, q in zip(items, query_lens):
             end += q
-            if it.samples:
-                rows.append(end - 1)
-                reqs.append(it.request)
+            if it.samples:  # one row, or (guesses) the last real token's row and each guess's
+                for row in range(end - 1 - it.num_draft, end):
+                    rows.append(row)
+                    reqs.append(it.request)
         if not rows:
             self.last_phases = (t1 - t0, time.perf_counter() - t1, 0.0, 0.0)
             return SampleResult([], [], [])
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=dev)])
         t3 = time.perf_counter()
-        result = sample(logits, reqs, grammar)
+        result = verify(sample(logits, reqs, grammar), items)
         self.last_phases = (t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
         return result
+
+
+def verify(rows: SampleResult, items: list[ScheduledItem]) -> SampleResult:
+    """Per sampling item, in order: its new tokens as a list, with their logprobs. An item with
+    guesses (speculative decoding) had a row for its last real token and one per guess; guess i is
+    kept while the sample at the row before it equals it, and the first differing sample (or, when
+    all were kept, the last row's) is the next token (see `conveyor/engine/speculative.py` for why
+    this keeps the target's distribution)."""
+    tokens, lps, slps = [], [], []
+    i = 0
+    for it in items:
+        if not it.samples:
+            continue
+        n = 1 + it.num_draft
+        got = rows.token_ids[i:i + n]
+        kept = 0
+        guesses = it.request.spec_token_ids
+        while kept < it.num_draft and got[kept] == guesses[kept]:
+            kept += 1
+        tokens.append(got[:kept + 1])
+        lps.append(rows.logprobs[i:i + kept + 1])
+        slps.append(rows.sampled_logprobs[i:i + kept + 1])
+        i += n
+    return SampleResult(tokens, lps, slps)

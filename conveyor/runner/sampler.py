@@ -21,9 +21,11 @@ if TYPE_CHECKING:
 
 @dataclass
 class SampleResult:
-    token_ids: list[int]
-    logprobs: list[dict[int, float] | None]  # per row: {token: logprob} for sampled + top-k
-    sampled_logprobs: list[float | None]
+    """Per row (from `sample`), or per sampling item as lists of its new tokens (from the runner's `verify`)."""
+
+    token_ids: list
+    logprobs: list  # per row: {token: logprob} for sampled + top-k, or None
+    sampled_logprobs: list
 
 
 def _penalise(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:

@@ -38,8 +38,8 @@ class Step:
     def has_room(self) -> bool:
         return self.token_budget > 0 and len(self.items) < self.max_seqs
 
-    def add(self, req: Request, n: int) -> None:
-        self.items.append(ScheduledItem(req, n))
+    def add(self, req: Request, n: int, num_draft: int = 0) -> None:
+        self.items.append(ScheduledItem(req, n, num_draft))
         self.scheduled_ids.add(req.request_id)
         self.token_budget -= n
 
@@ -140,14 +140,17 @@ class Scheduler:
             n = min(want, step.token_budget)
             if n < want and not chunk and want <= self.config.max_num_batched_tokens:
                 continue
-            while not self.kv.allocate_slots(req, n):
+            # guessed tokens (speculative decoding) ride along when the budget has room for them
+            drafts = min(len(req.spec_token_ids), step.token_budget - n) if n == want == 1 else 0
+            del req.spec_token_ids[drafts:]
+            while not self.kv.allocate_slots(req, n + drafts):
                 cands = [r for r in self.running if r is not req and r.request_id not in step.scheduled_ids]
                 if not cands:
                     self.preempt(req, step)
                     break
                 self.preempt(pick(cands), step)
             else:
-                step.add(req, n)
+                step.add(req, n + drafts, drafts)
 
     def admit(self, step: Step, req: Request, chunk: bool = True) -> bool:
         """Try to move `req` from waiting to running in this step. False when it does not fit."""
@@ -218,26 +221,38 @@ class Scheduler:
         need = future_blocks(req) - num_cached // bs + sum(max(future_blocks(r), 0) for r in self.running)
         return need <= self.kv.pool.num_free
 
-    def update(self, step: Step, token_ids: list[int]) -> list[tuple[Request, int]]:
-        """Advance every scheduled request; return (request, new token) for those that sampled."""
-        sampled: list[tuple[Request, int]] = []
+    def update(self, step: Step, token_ids: list[int] | list[list[int]]) -> list[tuple[Request, list[int]]]:
+        """Advance every scheduled request; return (request, new tokens) for those that sampled.
+
+        `token_ids` has one entry per sampling item: its token, or (speculative decoding) the list
+        of its kept guesses followed by the token after them. Only the kept guesses count as
+        computed; blocks that held nothing but rejected guesses go back to the pool."""
+        sampled: list[tuple[Request, list[int]]] = []
         k = 0
         now = self.clock()
         for it in step.items:
             req = it.request
             samples = it.samples
-            req.num_computed_tokens += it.num_tokens
+            toks: list[int] = []
+            if samples:
+                entry = token_ids[k]
+                k += 1
+                toks = entry if isinstance(entry, list) else [entry]
+            rejected = it.num_draft - (len(toks) - 1) if it.num_draft else 0
+            req.num_computed_tokens += it.num_tokens - rejected
+            req.spec_token_ids = []
+            if it.num_draft and not req.finished:
+                req.output_token_ids.extend(toks[:-1])  # kept guesses, before their blocks are indexed
+                self.kv.truncate(req, req.num_computed_tokens)
             self.kv.cache_full_blocks(req)
             if req.request_id in self.held and req.num_computed_tokens >= req.num_prompt_tokens:
                 self._release_held(req)
             if samples:
-                tok = token_ids[k]
-                k += 1
                 if req.finished:
                     continue
-                req.output_token_ids.append(tok)
+                req.output_token_ids.append(toks[-1])
                 if req.first_token_time is None:
                     req.first_token_time = now
                 req.last_token_time = now
-                sampled.append((req, tok))
+                sampled.append((req, toks))
         return sampled

@@ -295,7 +295,8 @@ class AsyncEngine:
             kv_blocks_used=s.kv_blocks_used, kv_blocks_total=s.kv_blocks_total, prompt_tokens=s.prompt_tokens,
             generation_tokens=s.generation_tokens, preemptions=s.preemptions, prefix_queries=s.prefix_queries,
             prefix_hits=s.prefix_hits, steps=self._c.steps, step_seqs=self._c.step_seqs,
-            phase_seconds=s.phase_seconds)
+            phase_seconds=s.phase_seconds, spec_drafts=s.spec_drafts, spec_draft_tokens=s.spec_draft_tokens,
+            spec_accepted_tokens=s.spec_accepted_tokens, spec_accepted_per_pos=s.spec_accepted_per_pos)
 
     def _maybe_log(self) -> None:
         now = time.monotonic()
@@ -314,6 +315,11 @@ class AsyncEngine:
                      "generation %.1f tok/s, %d steps, mean batch %.2f, step time: %s", s.running, s.waiting,
                      100 * s.kv_usage, s.kv_blocks_used, s.kv_blocks_total, prompt / dt, gen / dt, steps,
                      seqs / max(steps, 1), split)
+            if s.spec_draft_tokens:
+                log.info("speculative decoding: %d of %d guessed tokens kept (%.0f%%), mean %.2f tokens per draft",
+                         s.spec_accepted_tokens, s.spec_draft_tokens,
+                         100 * s.spec_accepted_tokens / s.spec_draft_tokens,
+                         1 + s.spec_accepted_tokens / max(s.spec_drafts, 1))
         c.last_log_t, c.last_log_gen, c.last_log_prompt = now, s.generation_tokens, s.prompt_tokens
         c.last_log_steps, c.last_log_seqs = s.steps, s.step_seqs
         c.last_log_phases = dict(s.phase_seconds)

@@ -52,6 +52,10 @@ class EngineStats:
     steps: int = 0  # steps that ran at least one sequence
     step_seqs: int = 0  # sum of sequences over those steps
     phase_seconds: tuple[tuple[str, float], ...] = ()  # cumulative seconds per step phase
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
     @property
     def kv_usage(self) -> float:
@@ -99,6 +103,20 @@ class _EngineCollector(Collector):
         for phase, seconds in s.phase_seconds:
             phases.add_metric([self.model_name, phase], seconds)
         yield phases
+        # speculative decoding, as vLLM's spec_decode_* series
+        yield counter("spec_decode_num_drafts", "Drafts (guessed token runs) verified.", s.spec_drafts)
+        yield counter("spec_decode_num_draft_tokens", "Tokens guessed.", s.spec_draft_tokens)
+        yield counter("spec_decode_num_accepted_tokens", "Guessed tokens the model kept.", s.spec_accepted_tokens)
+        per_pos = CounterMetricFamily("conveyor:spec_decode_num_accepted_tokens_per_pos",
+                                      "Guessed tokens kept, by position in the draft (0 = first guess).",
+                                      labels=["model_name", "position"])
+        for pos, n in enumerate(s.spec_accepted_per_pos):
+            per_pos.add_metric([self.model_name, str(pos)], n)
+        yield per_pos
+        yield gauge("spec_decode_acceptance_rate", "Accepted / guessed tokens so far.",
+                    s.spec_accepted_tokens / s.spec_draft_tokens if s.spec_draft_tokens else 0.0)
+        yield gauge("spec_decode_mean_acceptance_length", "Tokens per verified draft, the model's own included.",
+                    1 + s.spec_accepted_tokens / s.spec_drafts if s.spec_drafts else 0.0)
 
 
 class ServerMetrics:
