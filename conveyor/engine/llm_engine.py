@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from conveyor.config import EngineConfig
+from conveyor.engine.draft import DraftProposer
 from conveyor.engine.output_processor import Detokenizer, apply_stop, make_delta
 from conveyor.engine.speculative import (
     SpecBackoff,
@@ -155,10 +156,18 @@ class LLMEngine:
         self.structured = StructuredOutputManager(self.tokenizer, ckpt.config.vocab_size, self.eos_token_ids)
         self.spec = SpeculativeConfig.parse(config.speculative_config)
         self.spec_backoff: SpecBackoff | None = None
+        self.draft: DraftProposer | None = None
+        self.draft_costs: SpecBackoff | None = None  # the draft's forward cost per row count
+        if self.spec is not None and self.spec.method == "draft":
+            model = config.model if self.spec.model == "self" else self.spec.model
+            self.draft = DraftProposer(config, model, self.spec.quantization, self.runner.num_blocks,
+                                       ckpt.config.vocab_size)
         if self.spec is not None and self.spec.backoff:
-            costs = measure_forward_costs(self.runner, min(config.max_num_seqs * (self.spec.num_speculative_tokens + 1),
-                                                           512))
+            rows = min(config.max_num_seqs * (self.spec.num_speculative_tokens + 1), 512)
+            costs = measure_forward_costs(self.runner, rows)
             self.spec_backoff = SpecBackoff(costs)
+            if self.draft is not None:
+                self.draft_costs = SpecBackoff(measure_forward_costs(self.draft.runner, min(config.max_num_seqs, 512)))
             log.info("speculative decoding (%s, up to %d tokens): forward cost per row count %s", self.spec.method,
                      self.spec.num_speculative_tokens, {n: f"{1e3 * t:.1f}ms" for n, t in costs.items()})
         self._ids = itertools.count()
@@ -350,19 +359,31 @@ class LLMEngine:
         decoding = [r for r in running if r.num_remaining_work == 1 and can_speculate(r)]
         if not decoding or (cfg.disable_by_batch_size is not None and len(running) >= cfg.disable_by_batch_size):
             return
-        guesses: list[tuple[Request, list[int]]] = []
+        rooms: list[tuple[Request, int]] = []
         for r in decoding:
             room = min(cfg.num_speculative_tokens, r.max_tokens - len(r.output_token_ids) - 1,
                        self.max_model_len - r.num_tokens - 1)
-            if room <= 0:
-                continue
-            g = ngram_propose(np.asarray(r.all_token_ids), room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-            if g:
-                guesses.append((r, g))
-        total = sum(len(g) for _, g in guesses)
-        if self.spec_backoff is not None:
-            other = sum(r.num_remaining_work for r in running) - len(decoding)
-            if not self.spec_backoff.worth_it(len(decoding), other, total):
+            if room > 0:
+                rooms.append((r, room))
+        other = sum(r.num_remaining_work for r in running) - len(decoding)
+        if self.draft is not None:
+            # decide before drafting: the draft's k forwards are the cost of guessing
+            total = sum(k for _, k in rooms)
+            k_max = max((k for _, k in rooms), default=0)
+            cost = k_max * self.draft_costs.t(len(rooms)) if self.draft_costs is not None else 0.0
+            if self.spec_backoff is not None and not self.spec_backoff.worth_it(len(decoding), other, total, cost):
+                self.spec_skipped_steps += 1
+                return
+            proposed = self.draft.propose(rooms, set(self.scheduler.requests))
+            guesses = [(r, proposed[r.request_id]) for r, _ in rooms if proposed.get(r.request_id)]
+        else:
+            guesses = []
+            for r, room in rooms:
+                g = ngram_propose(np.asarray(r.all_token_ids), room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+                if g:
+                    guesses.append((r, g))
+            total = sum(len(g) for _, g in guesses)
+            if self.spec_backoff is not None and not self.spec_backoff.worth_it(len(decoding), other, total):
                 self.spec_skipped_steps += 1
                 return
         for r, g in guesses:

@@ -37,14 +37,17 @@ from conveyor.request import Request
 
 @dataclass
 class SpeculativeConfig:
-    """vLLM's `--speculative-config` (the ngram method): `{"method": "ngram", "num_speculative_tokens": 5,
-    "prompt_lookup_max": 4, "prompt_lookup_min": 2}`; `disable_by_batch_size` turns speculation off
-    from that many running sequences on (vLLM's name); `backoff` false keeps it on whatever it costs."""
+    """vLLM's `--speculative-config`: `{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4,
+    "prompt_lookup_min": 2}`, or `{"method": "draft", "model": PATH | "self", "quantization": "int4"}` (a
+    config with a model and no method is a draft, as in vLLM); `disable_by_batch_size` turns speculation
+    off from that many running sequences on (vLLM's name); `backoff` false keeps it on whatever it costs."""
 
-    method: str = "ngram"
+    method: str = "ngram"  # ngram | draft (vLLM also says draft_model)
     num_speculative_tokens: int = 5
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    model: str | None = None  # draft: a model with the target's vocabulary, or "self" (the default)
+    quantization: str | None = None  # draft: its weights (default for "self": int4)
     disable_by_batch_size: int | None = None
     backoff: bool = True
 
@@ -63,13 +66,23 @@ class SpeculativeConfig:
         unknown = set(value) - known
         if unknown:
             raise ValueError(f"speculative_config: unknown keys {sorted(unknown)} (known: {sorted(known)})")
+        if "method" not in value and value.get("model") is not None:
+            value = {**value, "method": "draft"}
         cfg = cls(**value)
+        if cfg.method == "draft_model":
+            cfg.method = "draft"
+        if cfg.method == "draft":
+            cfg.model = cfg.model or "self"
+            if cfg.model == "self" and cfg.quantization is None:
+                cfg.quantization = "int4"
         cfg.validate()
         return cfg
 
     def validate(self) -> None:
-        if self.method not in ("ngram", "prompt_lookup"):
-            raise ValueError(f"speculative_config: method {self.method!r} is not supported (ngram)")
+        if self.method not in ("ngram", "prompt_lookup", "draft"):
+            raise ValueError(f"speculative_config: method {self.method!r} is not supported (ngram, draft)")
+        if self.quantization not in (None, "int8", "int4"):
+            raise ValueError("speculative_config: quantization must be int8 or int4")
         if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError("speculative_config: num_speculative_tokens must be an integer in [1, 16]")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 16:
@@ -148,12 +161,13 @@ class SpecBackoff:
         self.proposed = self.proposed * decay + proposed
         self.accepted = self.accepted * decay + accepted
 
-    def worth_it(self, num_decodes: int, num_other: int, num_guesses: int) -> bool:
+    def worth_it(self, num_decodes: int, num_other: int, num_guesses: int, guess_cost_s: float = 0.0) -> bool:
+        """`guess_cost_s`: what making the guesses costs (a draft model's forwards; ngram: nothing)."""
         if num_guesses == 0:
             return False
         rate = self.accepted / max(self.proposed, 1e-9)
         plain = num_decodes / self.t(num_decodes + num_other)
-        spec = (num_decodes + rate * num_guesses) / self.t(num_decodes + num_other + num_guesses)
+        spec = (num_decodes + rate * num_guesses) / (self.t(num_decodes + num_other + num_guesses) + guess_cost_s)
         return spec > plain * self.MARGIN
 
 

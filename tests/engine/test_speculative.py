@@ -175,3 +175,53 @@ def test_sampled_outputs_keep_their_distribution(small_vocab, monkeypatch):
     broken = _samples(broken_llm, n, 30_000)
     print("p-values, plain vs keep-every-guess:", _p_values(plain, broken))
     assert min(_p_values(plain, broken)) < 1e-6
+
+
+@pytest.fixture(scope="module")
+def other_tiny(tmp_path_factory):
+    """The tiny model with noise added to every weight: a draft that is right only sometimes."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = build_tiny_llama(tmp_path_factory.mktemp("draft-model"))  # seed 0: the same weights as tiny_llama
+    f = path / "model.safetensors"
+    g = torch.Generator().manual_seed(1)
+    t = {k: v + 0.1 * v.std() * torch.randn(v.shape, generator=g) for k, v in load_file(str(f)).items()}
+    save_file(t, str(f), metadata={"format": "pt"})
+    return path
+
+
+@pytest.mark.parametrize("scheduler", ["continuous", "iteration"])
+def test_draft_model_guesses_keep_greedy_outputs(tiny_llama, other_tiny, scheduler):
+    kw = dict(dtype="float32", num_kv_blocks=200, max_model_len=256, scheduler=scheduler, max_num_batched_tokens=48)
+    plain = LLM(str(tiny_llama), **kw)
+    vocab = plain.engine.model_config.vocab_size
+    prompts, params = _prompts(vocab, 10, seed=3), _params(10, seed=4)
+    want = _run(plain, prompts, params)
+    for draft, accept_all in ((str(tiny_llama), True), (str(other_tiny), False)):
+        spec = LLM(str(tiny_llama), speculative_config={"model": draft, "num_speculative_tokens": 3,
+                                                         "backoff": False}, **kw)
+        assert spec.engine.spec.method == "draft"
+        for _ in range(2):
+            _same(_run(spec, prompts, params), want)
+        st = spec.engine.spec_stats
+        assert st.num_draft_tokens > 0
+        if accept_all:  # the target as its own draft: every guess is what greedy decoding does next
+            assert st.num_accepted_tokens == st.num_draft_tokens
+        else:
+            assert 0 < st.num_accepted_tokens < st.num_draft_tokens
+        spec.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert len(spec.engine.draft.tables) == 0  # finished sequences' draft blocks were returned
+        assert spec.engine.draft.pool.num_used == 0
+
+
+def test_draft_model_sampling_keeps_its_distribution(small_vocab):
+    n = 3000
+    kw = dict(dtype="float32", num_kv_blocks=1200, max_model_len=96, max_num_seqs=256)
+    plain = _samples(LLM(str(small_vocab), **kw), n, 40_000)
+    spec_llm = LLM(str(small_vocab), speculative_config={"model": str(small_vocab), "num_speculative_tokens": 3,
+                                                         "backoff": False}, **kw)
+    spec = _samples(spec_llm, n, 50_000)
+    st = spec_llm.engine.spec_stats
+    assert st.num_draft_tokens > n and 0.1 < st.acceptance_rate < 0.95, st
+    assert min(_p_values(plain, spec)) > 1e-3, _p_values(plain, spec)
