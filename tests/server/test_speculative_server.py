@@ -28,6 +28,8 @@ def test_speculative_server_matches_plain_decoding(tiny_llama):
         assert whole.usage.completion_tokens == 40
         m = s.wait_idle()
         assert m["conveyor:spec_decode_num_draft_tokens_total"] > 0
-        assert 0 < m["conveyor:spec_decode_num_accepted_tokens_total"] <= m["conveyor:spec_decode_num_draft_tokens_total"]
+        kept = m["conveyor:spec_decode_num_accepted_tokens_total"]
+        guessed = m["conveyor:spec_decode_num_draft_tokens_total"]
+        assert 0 < kept <= guessed
         assert m["conveyor:spec_decode_num_accepted_tokens_per_pos_total{position=0}"] > 0
         assert m["conveyor:spec_decode_mean_acceptance_length"] > 1
