@@ -29,6 +29,8 @@ CONFIGS = {
     "off": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
     "self-draft int4": {"method": "draft", "model": "self", "quantization": "int4", "num_speculative_tokens": 3},
+    "layer-skip 24 of 30 int8": {"method": "draft", "model": "self", "quantization": "int8", "num_layers": 24,
+                                  "num_speculative_tokens": 3},
 }
 
 
@@ -93,7 +95,7 @@ def load64(url: str, out: Path, log) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=REPO / "docs/speculative/results.json")
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--configs", default="off,ngram,self-draft int4")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--skip-load", action="store_true", help="only the single-client repeat workload")
     args = ap.parse_args()

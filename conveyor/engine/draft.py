@@ -2,7 +2,9 @@
 
 `{"method": "draft", "model": PATH}` takes any model with the target's vocabulary; `"model": "self"`
 (the default) loads the target's own checkpoint again at `"quantization": "int4"` (the default for
-self), which needs no second model at all and on a CPU decodes about twice as fast as bf16.
+self), which needs no second model at all and on a CPU decodes about twice as fast as bf16;
+`"num_layers": N` keeps only the draft's first N layers (layer skip: the final norm and LM head
+read the N-th layer's output).
 
 The draft keeps its own paged KV cache in a second pool with its own block tables (no prefix
 caching: a draft's KV is cheap to recompute). Per sequence it remembers how many leading tokens of
@@ -31,11 +33,21 @@ log = logging.getLogger("conveyor.speculative")
 
 class DraftProposer:
     def __init__(self, config: EngineConfig, model: str, quantization: str | None, num_blocks: int,
-                 vocab_size: int) -> None:
+                 vocab_size: int, num_layers: int | None = None) -> None:
         from conveyor.model.loader import load_checkpoint
         from conveyor.runner.model_runner import ModelRunner
 
         ckpt = load_checkpoint(model, config.tokenizer, quantization)
+        if num_layers is not None:  # layer skip: the first layers, then the final norm and the LM head
+            if not 1 <= num_layers <= ckpt.config.num_layers:
+                raise ValueError(f"speculative_config: num_layers must be in [1, {ckpt.config.num_layers}]")
+
+            def keep(name: str) -> bool:
+                return not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers
+
+            ckpt.config = replace(ckpt.config, num_layers=num_layers)
+            ckpt.tensors = {k: v for k, v in ckpt.tensors.items() if keep(k)}
+            ckpt.quantized = {k: v for k, v in (ckpt.quantized or {}).items() if keep(k)}
         if ckpt.config.vocab_size != vocab_size:
             raise ValueError(f"speculative_config: the draft model's vocabulary ({ckpt.config.vocab_size}) differs "
                              f"from the target's ({vocab_size})")

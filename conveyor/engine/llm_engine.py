@@ -161,7 +161,7 @@ class LLMEngine:
         if self.spec is not None and self.spec.method == "draft":
             model = config.model if self.spec.model == "self" else self.spec.model
             self.draft = DraftProposer(config, model, self.spec.quantization, self.runner.num_blocks,
-                                       ckpt.config.vocab_size)
+                                       ckpt.config.vocab_size, self.spec.num_layers)
         if self.spec is not None and self.spec.backoff:
             rows = min(config.max_num_seqs * (self.spec.num_speculative_tokens + 1), 512)
             costs = measure_forward_costs(self.runner, rows)

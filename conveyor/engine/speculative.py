@@ -48,6 +48,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     model: str | None = None  # draft: a model with the target's vocabulary, or "self" (the default)
     quantization: str | None = None  # draft: its weights (default for "self": int4)
+    num_layers: int | None = None  # draft: only its first N layers (layer skip)
     disable_by_batch_size: int | None = None
     backoff: bool = True
 
