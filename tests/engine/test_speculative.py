@@ -226,3 +226,13 @@ def test_draft_model_sampling_keeps_its_distribution(small_vocab):
     st = spec_llm.engine.spec_stats
     assert st.num_draft_tokens > n and 0.1 < st.acceptance_rate < 0.95, st
     assert min(_p_values(plain, spec)) > 1e-3, _p_values(plain, spec)
+
+
+def test_seeded_sampling_is_reproducible_with_speculation(small_vocab):
+    llm = LLM(str(small_vocab), dtype="float32", num_kv_blocks=200, max_model_len=256, speculative_config=SPEC)
+    prompts = [list(range(3, 32)) + [5 + i, 6, 7] for i in range(4)]
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=40, ignore_eos=True) for s in range(4)]
+    first = _run(llm, prompts, params)
+    alone = [_run(llm, [p], [sp])[0] for p, sp in zip(prompts, params)]  # other batches, same seeds
+    assert [o.token_ids for o in first] == [o.token_ids for o in alone]
+    assert llm.engine.spec_stats.num_accepted_tokens > 0
