@@ -11,12 +11,9 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from conveyor.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    import torch
 
 
 class Status(enum.Enum):
@@ -50,7 +47,6 @@ class Request:
     logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None  # filled as the prompt is computed
     cumulative_logprob: float = 0.0
-    generator: torch.Generator | None = None
     matcher: Any = field(default=None, repr=False)  # llguidance LLMatcher when the output has a grammar
     spec_token_ids: list[int] = field(default_factory=list)  # guessed next tokens, verified in the next step
 
@@ -61,10 +57,6 @@ class Request:
     waited_steps: int = 0  # steps spent waiting, for priority aging
 
     def __post_init__(self) -> None:
-        if self.params.seed is not None:
-            import torch  # here, not at the top: the scheduler and the CLI load without torch
-
-            self.generator = torch.Generator().manual_seed(self.params.seed)
         if self.params.logprobs is not None:
             self.logprobs = []
         if self.params.prompt_logprobs is not None:

@@ -106,10 +106,10 @@ def test_outputs_do_not_change_in_a_crowd(monkeypatch):
     seen: dict[str, list[float]] = defaultdict(list)
     real = model_runner.sample
 
-    def recording(logits, reqs, grammar=None):
+    def recording(logits, reqs, grammar=None, positions=None):
         for r, v in zip(reqs, logits.max(dim=-1).values.tolist()):
             seen[r.request_id].append(v)
-        return real(logits, reqs, grammar)
+        return real(logits, reqs, grammar, positions)
 
     monkeypatch.setattr(model_runner, "sample", recording)
     alone = {}

@@ -279,7 +279,9 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         tables = [self.kv.block_tables[it.request.request_id] for it in plan.items]
         t1 = time.perf_counter()
-        grammar = self.structured.bitmask([it.request for it in plan.items if it.samples])
+        # one entry per sampled row, in the runner's order (a sequence with guesses has a row per guess)
+        grammar = self.structured.bitmask([it.request for it in plan.items if it.samples
+                                           for _ in range(1 + it.num_draft)])
         tg = time.perf_counter()
         result = self.runner.execute(plan.items, tables, self.kv.take_copies(), grammar)
         t2 = time.perf_counter()
@@ -310,8 +312,6 @@ class LLMEngine:
         drafts = {it.request.request_id: it.num_draft for it in plan.items if it.num_draft}
         for req, toks in sampled:
             lps, slps = next(lp_iter), next(sp_iter)
-            if req.request_id in drafts:
-                self._record_spec(drafts[req.request_id], len(toks) - 1)
             # the scheduler appended every new token; take them back and add them one at a time, so that
             # stop checks (max_tokens, EOS, stop strings) see each prefix and the first stop wins
             del req.output_token_ids[len(req.output_token_ids) - len(toks):]
@@ -334,6 +334,10 @@ class LLMEngine:
                     toks = toks[:j + 1]
                     self.scheduler.finish(req, stop[0], stop[1])
                     break
+            if stop is not None and not isinstance(stop[1], str):  # not cut at a stop string: flush held text
+                self.detok.flush(req, drop_last=stop[0] == "stop")
+            if req.request_id in drafts:  # guesses kept, up to where the sequence stopped
+                self._record_spec(drafts[req.request_id], len(toks) - 1)
             text = self.detok.take_new_text(req, final=stop is not None)
             delta = make_delta(req, list(toks), text, kept_lps)
             if req.prompt_logprobs is not None and len(req.output_token_ids) == 1:
@@ -399,7 +403,7 @@ class LLMEngine:
         return StepStats(
             index=self.scheduler.step_count, start=start, duration=time.monotonic() - start,
             num_seqs=len(plan.items), num_tokens=plan.num_tokens,
-            num_prefill_tokens=sum(it.num_tokens for it in plan.items if it.num_tokens > 1),
+            num_prefill_tokens=sum(it.num_tokens for it in plan.items if it.num_tokens - it.num_draft > 1),
             request_ids=[it.request.group_id for it in plan.items], num_preempted=len(plan.preempted),
             kv_used_blocks=used_blocks, kv_used_slots=used_blocks * bs - empty,
             num_running=self.num_running, num_waiting=self.num_waiting,

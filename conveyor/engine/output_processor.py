@@ -43,6 +43,16 @@ class Detokenizer:
         piece = self._stream(req).step(self.backend, token)
         return piece or ""
 
+    def flush(self, req: Request, drop_last: bool) -> None:
+        """At the end of a sequence: text the stream still holds back (bytes after an invalid or
+        incomplete character wait for a completion that will not come) is appended if the whole
+        output decodes to an extension of what was emitted. `drop_last`: the last token is a stop
+        token whose text is not part of the output."""
+        ids = req.output_token_ids[:-1] if drop_last else req.output_token_ids
+        full = self.tokenizer.decode(ids, skip_special_tokens=req.params.skip_special_tokens)
+        if len(full) > len(req.output_text) and full.startswith(req.output_text):
+            req.output_text = full
+
     def release(self, request_id: str) -> None:
         self.streams.pop(request_id, None)
         self.emitted.pop(request_id, None)

@@ -80,6 +80,19 @@ class SpeculativeConfig:
         return cfg
 
     def validate(self) -> None:
+        def integer(name: str, lo: int, optional: bool = False) -> None:
+            v = getattr(self, name)
+            if optional and v is None:
+                return
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise ValueError(f"speculative_config: {name} must be an integer >= {lo}, got {v!r}")
+
+        for name in ("prompt_lookup_max", "prompt_lookup_min"):
+            integer(name, 1)
+        integer("disable_by_batch_size", 1, optional=True)
+        integer("num_layers", 1, optional=True)
+        if self.method in ("ngram", "prompt_lookup") and (self.model or self.num_layers or self.quantization):
+            raise ValueError("speculative_config: model, num_layers and quantization are for method draft")
         if self.method not in ("ngram", "prompt_lookup", "draft"):
             raise ValueError(f"speculative_config: method {self.method!r} is not supported (ngram, draft)")
         if self.quantization not in (None, "int8", "int4"):

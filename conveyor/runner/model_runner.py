@@ -258,19 +258,20 @@ class ModelRunner:
         if any(it.request.prompt_logprobs is not None for it in items):
             self.last_prompt_logprobs = self._prompt_logprobs(items, query_lens, hidden)
         t2 = time.perf_counter()
-        rows, reqs, end = [], [], 0
+        rows, reqs, positions, end = [], [], [], 0
         for it, q in zip(items, query_lens):
             end += q
             if it.samples:  # one row, or (guesses) the last real token's row and each guess's
-                for row in range(end - 1 - it.num_draft, end):
+                for j, row in enumerate(range(end - 1 - it.num_draft, end)):
                     rows.append(row)
                     reqs.append(it.request)
+                    positions.append(len(it.request.output_token_ids) + j)
         if not rows:
             self.last_phases = (t1 - t0, time.perf_counter() - t1, 0.0, 0.0)
             return SampleResult([], [], [])
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=dev)])
         t3 = time.perf_counter()
-        result = verify(sample(logits, reqs, grammar), items)
+        result = verify(sample(logits, reqs, grammar, positions), items)
         self.last_phases = (t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
         return result
 

@@ -3,7 +3,8 @@
 Order (as in vLLM): penalties -> logit_bias -> grammar mask -> min_tokens EOS masking -> temperature ->
 top-k -> top-p -> min-p -> sample. Greedy rows take the argmax of the penalised logits. Random rows use
 the exponential-race trick (argmax of p / E, E ~ Exp(1)), which equals multinomial sampling; a seeded
-request draws its E from its own generator, so its tokens do not depend on what else is in the batch.
+request draws each token's E from a generator seeded by (seed, position), so its tokens do not depend
+on what else is in the batch.
 """
 
 from __future__ import annotations
@@ -48,9 +49,18 @@ def _penalise(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     return logits
 
 
-def sample(logits: torch.Tensor, reqs: list[Request], grammar: GrammarMask | None = None) -> SampleResult:
+def seeded_generator(seed: int, position: int) -> torch.Generator:
+    """The noise of a seeded request's `position`-th output token: a function of (seed, position) only,
+    so the token depends neither on the batch, nor on preemption, nor on how many rows speculative
+    decoding sampled before it (with speculation, a seeded request's output is the one it has without)."""
+    return torch.Generator().manual_seed(hash((seed, position)) & (2**63 - 1))
+
+
+def sample(logits: torch.Tensor, reqs: list[Request], grammar: GrammarMask | None = None,
+           positions: list[int] | None = None) -> SampleResult:
     """logits: [B, V] float32, one row per request that samples this step; `grammar`: the allowed
-    tokens of the rows whose output is constrained (structured outputs)."""
+    tokens of the rows whose output is constrained (structured outputs); `positions`: which output
+    token each row samples (default: the next one; speculative rows sample later ones)."""
     b, v = logits.shape
     dev = logits.device
     if any(r.params.needs_penalties for r in reqs):
@@ -95,8 +105,9 @@ def sample(logits: torch.Tensor, reqs: list[Request], grammar: GrammarMask | Non
             probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
         race = torch.empty_like(probs).exponential_()
         for i, r in enumerate(reqs):
-            if r.generator is not None and not r.params.greedy:
-                race[i] = torch.empty(v).exponential_(generator=r.generator).to(dev)
+            if r.params.seed is not None and not r.params.greedy:
+                pos = positions[i] if positions is not None else len(r.output_token_ids)
+                race[i] = torch.empty(v).exponential_(generator=seeded_generator(r.params.seed, pos)).to(dev)
         sampled = (probs / race).argmax(dim=-1)
         tokens = torch.where(greedy, tokens, sampled)
 

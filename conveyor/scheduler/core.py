@@ -119,10 +119,28 @@ class Scheduler:
     def schedule(self) -> Step:
         step = Step(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         self.policy.schedule(self, step)
+        self._add_guesses(step)
         for req in self.waiting:
             req.waited_steps += 1
         self.step_count += 1
         return step
+
+    def _add_guesses(self, step: Step) -> None:
+        """Speculative decoding: the guessed tokens of decoding sequences ride along in what is left of
+        the token budget once the policy has placed every real token, so guesses never displace a
+        decode or a prefill chunk, and never cause a preemption (no room: no guesses this step)."""
+        for it in step.items:
+            req = it.request
+            if not req.spec_token_ids:
+                continue
+            d = min(len(req.spec_token_ids), step.token_budget)
+            if it.num_tokens != 1 or req.num_remaining_work != 1 or d <= 0 or not self.kv.allocate_slots(req, 1 + d):
+                req.spec_token_ids = []
+                continue
+            del req.spec_token_ids[d:]
+            it.num_tokens += d
+            it.num_draft = d
+            step.token_budget -= d
 
     def schedule_running(self, step: Step, order: Iterable[Request], chunk: bool = True,
                          victims: Callable[[list[Request]], Request] | None = None) -> None:
@@ -140,17 +158,14 @@ class Scheduler:
             n = min(want, step.token_budget)
             if n < want and not chunk and want <= self.config.max_num_batched_tokens:
                 continue
-            # guessed tokens (speculative decoding) ride along when the budget has room for them
-            drafts = min(len(req.spec_token_ids), step.token_budget - n) if n == want == 1 else 0
-            del req.spec_token_ids[drafts:]
-            while not self.kv.allocate_slots(req, n + drafts):
+            while not self.kv.allocate_slots(req, n):
                 cands = [r for r in self.running if r is not req and r.request_id not in step.scheduled_ids]
                 if not cands:
                     self.preempt(req, step)
                     break
                 self.preempt(pick(cands), step)
             else:
-                step.add(req, n + drafts, drafts)
+                step.add(req, n)
 
     def admit(self, step: Step, req: Request, chunk: bool = True) -> bool:
         """Try to move `req` from waiting to running in this step. False when it does not fit."""

@@ -47,7 +47,10 @@ class ResponseFormat(_Request):
 
 
 class StructuredOutputsField(_Request):
-    """vLLM's `structured_outputs` extra: one of a JSON schema, a regex, a choice or a Lark grammar."""
+    """vLLM's `structured_outputs` extra: one of a JSON schema, a regex, a choice or a Lark grammar.
+    Unknown keys are refused (vLLM's whitespace_pattern, structural_tag, ... are not implemented)."""
+
+    model_config = ConfigDict(extra="forbid")
 
     json_: dict[str, Any] | Str | None = Field(None, alias="json")
     regex: Str | None = None

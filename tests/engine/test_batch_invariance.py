@@ -89,11 +89,11 @@ def top1(monkeypatch):
     seen: dict[str, list[float]] = defaultdict(list)
     real = model_runner.sample
 
-    def recording(logits: torch.Tensor, reqs, grammar=None):
+    def recording(logits: torch.Tensor, reqs, grammar=None, positions=None):
         best = logits.max(dim=-1).values.tolist()
         for r, v in zip(reqs, best):
             seen[r.request_id].append(v)
-        return real(logits, reqs, grammar)
+        return real(logits, reqs, grammar, positions)
 
     monkeypatch.setattr(model_runner, "sample", recording)
     return seen
@@ -112,10 +112,10 @@ def reference(model_dir, workload):
     for sampled in (False, True):
         seen: dict[str, list[float]] = defaultdict(list)
 
-        def recording(logits, reqs, grammar=None, seen=seen):
+        def recording(logits, reqs, grammar=None, positions=None, seen=seen):
             for r, v in zip(reqs, logits.max(dim=-1).values.tolist()):
                 seen[r.request_id].append(v)
-            return real(logits, reqs, grammar)
+            return real(logits, reqs, grammar, positions)
 
         model_runner.sample = recording
         try:

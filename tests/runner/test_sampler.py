@@ -110,11 +110,11 @@ def test_temperature_gives_varied_tokens():
 
 
 def test_seeded_row_ignores_its_neighbours():
-    """A seeded request draws from its own generator: same tokens alone or among random rows."""
+    """A seeded request's noise depends on (seed, position) only: same tokens alone or among random rows."""
     logits = torch.randn(1, 100)
 
-    def draw(batch_size: int, position: int) -> list[int]:
-        r = req(temperature=1.0, seed=42, rid="seeded")
+    def draw(batch_size: int, position: int, seed: int = 42) -> list[int]:
+        r = req(temperature=1.0, seed=seed, rid="seeded")
         toks = []
         for _ in range(8):
             reqs = [req(temperature=1.0, rid=f"o{i}") for i in range(batch_size)]
@@ -122,13 +122,13 @@ def test_seeded_row_ignores_its_neighbours():
             other = torch.randn(batch_size + 1, 100)
             other[position] = logits[0]
             toks.append(sample(other, reqs).token_ids[position])
+            r.output_token_ids.append(toks[-1])  # the next draw is the next output position
         return toks
 
     alone = draw(0, 0)
     assert draw(10, 3) == alone and draw(5, 5) == alone
     assert len(set(alone)) > 1  # it really samples
-    r2 = req(temperature=1.0, seed=43)
-    assert [sample(logits.clone(), [r2]).token_ids[0] for _ in range(8)] != alone
+    assert draw(0, 0, seed=43) != alone
 
 
 def test_min_tokens_bans_eos_and_stop_ids_until_reached():
