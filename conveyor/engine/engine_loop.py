@@ -47,6 +47,7 @@ class AddRequest:
     params: SamplingParams
     priority: int = 0
     arrival_time: float | None = None  # time.monotonic(): the same clock in every process on Linux
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -98,7 +99,7 @@ class EngineLoop:
             out.added += cmd.params.n
             try:
                 e.add_request(cmd.prompt_token_ids, cmd.params, request_id=cmd.request_id, priority=cmd.priority,
-                              arrival_time=cmd.arrival_time)
+                              arrival_time=cmd.arrival_time, cache_salt=cmd.cache_salt)
             except Exception as exc:  # validated by the caller, so a bug or a race: keep the engine alive
                 out.failed.append((cmd.request_id, f"{type(exc).__name__}: {exc}"))
         elif isinstance(cmd, AbortRequest):

@@ -14,6 +14,16 @@ not in the queue at all.
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import NamedTuple
+
+
+class BlockKey(NamedTuple):
+    """What a cached block's hash stands for, compared in full on every lookup: a hit must be the same
+    tokens, under the same salt, after the same parent, whatever the hash function does."""
+
+    parent: bytes | None
+    tokens: tuple[int, ...]
+    salt: str | None
 
 
 class BlockPool:
@@ -26,6 +36,8 @@ class BlockPool:
         self.block_hash: list[int | None] = [None] * num_blocks
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}  # hash -> block id
+        self.block_key: list[BlockKey | None] = [None] * num_blocks  # of each cached block
+        self.num_key_mismatches = 0  # lookups whose hash matched but whose block was another
         self.num_evictions = 0
 
     @property
@@ -54,12 +66,20 @@ class BlockPool:
                 if self.cached.get(h) == block:
                     del self.cached[h]
                 self.block_hash[block] = None
+                self.block_key[block] = None
             self.ref_cnt[block] = 1
             out.append(block)
         return out
 
-    def lookup(self, block_hash: int) -> int | None:
-        return self.cached.get(block_hash) if self.enable_caching else None
+    def lookup(self, block_hash, key: BlockKey | None = None) -> int | None:
+        """The cached block under `block_hash`, if its `key` matches too (a hash collision is a miss)."""
+        if not self.enable_caching:
+            return None
+        b = self.cached.get(block_hash)
+        if b is not None and key is not None and self.block_key[b] is not None and self.block_key[b] != key:
+            self.num_key_mismatches += 1
+            return None
+        return b
 
     def touch(self, blocks: list[int]) -> None:
         """Add a reference to each block, taking free (cached) ones out of the free queue."""
@@ -83,13 +103,14 @@ class BlockPool:
                 if self.block_hash[b] is None:
                     self.free.move_to_end(b, last=False)
 
-    def cache_block(self, block: int, block_hash: int) -> None:
+    def cache_block(self, block: int, block_hash, key: BlockKey | None = None) -> None:
         """Index a full, in-use block under its chained hash (first writer wins)."""
         if not self.enable_caching or self.block_hash[block] is not None:
             return
         if block_hash in self.cached:
-            return  # an identical block already exists; this copy stays private
+            return  # an identical block already exists (or a colliding one): this copy stays private
         self.block_hash[block] = block_hash
+        self.block_key[block] = key
         self.cached[block_hash] = block
 
     def reset_cache(self) -> None:
@@ -99,3 +120,4 @@ class BlockPool:
             if h is not None:
                 self.cached.pop(h, None)
                 self.block_hash[b] = None
+                self.block_key[b] = None

@@ -8,13 +8,28 @@ blocks back (`free`). Copy-on-write pairs for shared, partly written blocks are 
 
 from __future__ import annotations
 
-from conveyor.kv_cache.block_pool import BlockPool
+import hashlib
+import struct
+
+from conveyor.kv_cache.block_pool import BlockKey, BlockPool
 from conveyor.request import Request
 
+_NO_PARENT = b"\0" * 32
 
-def hash_block(parent: int | None, tokens: tuple[int, ...], salt: str | None) -> int:
-    """A full block's identity: its parent's hash, its own tokens and the tenant's salt."""
-    return hash((parent, tokens, salt))
+
+def hash_block(parent: bytes | None, tokens: tuple[int, ...], salt: str | None) -> bytes:
+    """A full block's identity: SHA-256 over its parent's hash, its own token ids and the tenant's salt.
+
+    Chained through the parents, it names the block's whole prefix, which is what its K/V depend on.
+    A cryptographic hash, not Python's 64-bit `hash()`: a crafted prompt must not be able to collide
+    with another tenant's block and read its K/V (the bug vLLM fixed in GHSA-rm76-4mrf-v9r8). The pool
+    also checks the block's own tokens, salt and parent hash on every hit (`BlockKey`)."""
+    h = hashlib.sha256(parent or _NO_PARENT)
+    h.update(struct.pack(f"<{len(tokens)}q", *tokens))
+    if salt is not None:
+        s = salt.encode()
+        h.update(struct.pack("<q", len(s)) + s)
+    return h.digest()
 
 
 class KVCacheManager:
@@ -23,7 +38,8 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.enable_caching = enable_caching
         self.block_tables: dict[str, list[int]] = {}
-        self._hashes: dict[str, list[int]] = {}  # chained hashes of a request's full blocks
+        self._hashes: dict[str, list[bytes]] = {}  # chained hashes of a request's full blocks
+        self._keys: dict[str, list[BlockKey]] = {}  # what each hash stands for, checked on every hit
         self._num_indexed: dict[str, int] = {}  # how many of a request's blocks are indexed
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies for the runner
         self.prefix_queries = 0  # tokens looked up
@@ -37,17 +53,20 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.num_used / self.pool.num_blocks
 
-    def _block_hashes(self, req: Request, num_full: int) -> list[int]:
+    def _block_hashes(self, req: Request, num_full: int) -> list[bytes]:
         hashes = self._hashes.setdefault(req.request_id, [])
+        keys = self._keys.setdefault(req.request_id, [])
         tokens = req.all_token_ids
         bs = self.block_size
         while len(hashes) < num_full:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, tuple(tokens[i * bs:(i + 1) * bs]), req.cache_salt))
+            own = tuple(tokens[i * bs:(i + 1) * bs])
+            hashes.append(hash_block(parent, own, req.cache_salt))
+            keys.append(BlockKey(parent, own, req.cache_salt))
         return hashes
 
-    def prefix_block_hashes(self, req: Request) -> list[int]:
+    def prefix_block_hashes(self, req: Request) -> list[bytes]:
         """Chained hashes of the full blocks a prefix lookup for `req` may use (memoized per request)."""
         return self._block_hashes(req, (req.num_tokens - 1) // self.block_size)
 
@@ -60,9 +79,10 @@ class KVCacheManager:
             return []
         max_blocks = (req.num_tokens - 1) // self.block_size
         hashes = self._block_hashes(req, max_blocks)
+        keys = self._keys[req.request_id]
         blocks = []
-        for h in hashes[:max_blocks]:
-            b = self.pool.lookup(h)
+        for h, key in zip(hashes[:max_blocks], keys):
+            b = self.pool.lookup(h, key)
             if b is None:
                 break
             blocks.append(b)
@@ -131,8 +151,9 @@ class KVCacheManager:
         if num_full <= start:
             return
         hashes = self._block_hashes(req, num_full)
+        keys = self._keys[req.request_id]
         for i in range(start, num_full):
-            self.pool.cache_block(table[i], hashes[i])
+            self.pool.cache_block(table[i], hashes[i], keys[i])
         self._num_indexed[req.request_id] = num_full
 
     def truncate(self, req: Request, num_tokens: int) -> None:
@@ -149,6 +170,7 @@ class KVCacheManager:
         if table:
             self.pool.release(table)
         self._hashes.pop(req.request_id, None)
+        self._keys.pop(req.request_id, None)
         self._num_indexed.pop(req.request_id, None)
 
     def take_copies(self) -> list[tuple[int, int]]:

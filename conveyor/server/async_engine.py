@@ -53,6 +53,7 @@ class EngineInput:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0
+    cache_salt: str | None = None  # prefix-cache isolation: only requests with the same salt share blocks
 
 
 @dataclass
@@ -226,7 +227,7 @@ class AsyncEngine:
         self._num_pending_adds += num
         for inp in inputs:
             self.client.send(AddRequest(inp.request_id, inp.prompt_token_ids, inp.params, inp.priority,
-                                        sub.arrival))
+                                        sub.arrival, inp.cache_salt))
         return sub
 
     async def abort_all_after(self, grace_s: float) -> None:

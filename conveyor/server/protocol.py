@@ -86,6 +86,8 @@ class _SamplingFields(_Request):
     skip_special_tokens: Bool = True
     include_stop_str_in_output: Bool = False
     prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+    # prefix-cache isolation (vLLM): requests share cached KV blocks only with requests of the same salt
+    cache_salt: Annotated[StrictStr, Field(min_length=1, max_length=256)] | None = None
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* names
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None

@@ -315,7 +315,8 @@ class OpenAIServing:
         for _, ids in prompts:
             self.check_prompt(ids, params, "prompt")
         api_id = f"cmpl-{uuid.uuid4().hex}"
-        inputs = [EngineInput(f"{api_id}-{i}", ids, params, req.priority) for i, (_, ids) in enumerate(prompts)]
+        inputs = [EngineInput(f"{api_id}-{i}", ids, params, req.priority, req.cache_salt)
+                  for i, (_, ids) in enumerate(prompts)]
         sub = self.submit(api_id, inputs)
         model = req.model or self.model_names[0]
         echo = [(text if text is not None else self.tokenizer.decode(ids)) if req.echo else None
@@ -450,7 +451,7 @@ class OpenAIServing:
                                       structured=await self.structured_outputs(req))
         self.check_prompt(ids, params, "messages")
         api_id = f"chatcmpl-{uuid.uuid4().hex}"
-        sub = self.submit(api_id, [EngineInput(f"{api_id}-0", ids, params, req.priority)])
+        sub = self.submit(api_id, [EngineInput(f"{api_id}-0", ids, params, req.priority, req.cache_salt)])
         model = req.model or self.model_names[0]
         if req.stream:
             return SSEResponse(self._chat_stream(sub, req, model, len(ids)), sub.close)
