@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+
+
+def json_object(value: dict | str, what: str) -> dict:
+    """`value` as a dict: given as one, or as JSON text of an object; else a ValueError naming `what`."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"{what} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} must be a JSON object")
+    return value
 
 
 @dataclass

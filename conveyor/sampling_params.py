@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 _GREEDY_EPS = 1e-5
 # JSON as models mostly saw it in training (`json.dumps`' separators), with no free whitespace: a small
@@ -57,14 +56,10 @@ class StructuredOutputsParams:
         from llguidance import LLMatcher
 
         if kind in ("json", "json_object"):
-            schema: Any = {"type": "object"} if kind == "json_object" else self.json
-            if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except ValueError as e:
-                    raise ValueError(f"structured_outputs: the JSON schema is not valid JSON: {e}") from None
-            if not isinstance(schema, dict):
-                raise ValueError("structured_outputs: a JSON schema must be a JSON object")
+            from conveyor.config import json_object
+
+            what = "structured_outputs: the JSON schema"
+            schema = {"type": "object"} if kind == "json_object" else json_object(self.json, what)
             return LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
         if kind == "regex":
             if not isinstance(self.regex, str):

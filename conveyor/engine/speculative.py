@@ -26,12 +26,12 @@ per second of the step with guesses beat the step without (`SpecBackoff`).
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from conveyor.config import json_object
 from conveyor.request import Request
 
 
@@ -56,13 +56,7 @@ class SpeculativeConfig:
     def parse(cls, value: dict | str | SpeculativeConfig | None) -> SpeculativeConfig | None:
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError("speculative_config must be a JSON object")
+        value = json_object(value, "speculative_config")
         known = set(cls.__dataclass_fields__)
         unknown = set(value) - known
         if unknown:
