@@ -304,50 +304,86 @@ class LLMEngine:
                 entries = self.runner.last_prompt_logprobs.get(it.request.request_id)
                 if entries:
                     it.request.prompt_logprobs.extend(entries)
+        deltas = []
+        if result is not None and result.bad:  # non-finite logits: those requests fail, the batch goes on
+            deltas += self._drop_broken(plan, result)
+            token_ids = result.token_ids
         sampled = self.scheduler.update(plan, token_ids)
         self.total_prompt_tokens += sum(len(r.prompt_token_ids) for r in plan.admitted if r.num_preemptions == 0)
-        deltas = []
         lp_iter = iter(result.logprobs if result else [])
         sp_iter = iter(result.sampled_logprobs if result else [])
         drafts = {it.request.request_id: it.num_draft for it in plan.items if it.num_draft}
         for req, toks in sampled:
             lps, slps = next(lp_iter), next(sp_iter)
-            # the scheduler appended every new token; take them back and add them one at a time, so that
-            # stop checks (max_tokens, EOS, stop strings) see each prefix and the first stop wins
-            del req.output_token_ids[len(req.output_token_ids) - len(toks):]
-            stop, kept_lps = None, []
-            for j, tok in enumerate(toks):
-                req.output_token_ids.append(tok)
-                if lps[j] is not None:
-                    req.logprobs.append(lps[j])
-                    req.cumulative_logprob += slps[j]
-                    kept_lps.append(lps[j])
-                self.total_generation_tokens += 1
-                piece = self.detok.decode_token(req, tok)
-                stop = apply_stop(req, tok, piece, self.max_model_len)
-                if req.matcher is not None:
-                    tg = time.perf_counter()
-                    if self.structured.accept(req, tok) and stop is None:
-                        stop = ("stop", None)  # the grammar is complete
-                    self._grammar_update_s += time.perf_counter() - tg
-                if stop is not None:
-                    toks = toks[:j + 1]
-                    self.scheduler.finish(req, stop[0], stop[1])
-                    break
-            if stop is not None and not isinstance(stop[1], str):  # not cut at a stop string: flush held text
-                self.detok.flush(req, drop_last=stop[0] == "stop")
-            if req.request_id in drafts:  # guesses kept, up to where the sequence stopped
-                self._record_spec(drafts[req.request_id], len(toks) - 1)
-            text = self.detok.take_new_text(req, final=stop is not None)
-            delta = make_delta(req, list(toks), text, kept_lps)
-            if req.prompt_logprobs is not None and len(req.output_token_ids) == 1:
-                delta.extra["prompt_logprobs"] = list(req.prompt_logprobs)  # with the first token, as vLLM
-            deltas.append(delta)
-            if stop is not None:
-                self.detok.release(req.request_id)
+            try:
+                deltas.append(self._emit(req, toks, lps, slps, drafts))
+            except Exception as exc:  # noqa: BLE001 - tied to this request (its text, stop, grammar): fail it alone
+                deltas.append(self._fail(req, exc))
         if self.spec is not None:
             self._propose()
         return deltas
+
+    def _fail(self, req: Request, exc: BaseException) -> StepDelta:
+        """Finish one request with an error (finish_reason "error", the message in `extra["error"]`) and free
+        its blocks; the engine and every other request carry on."""
+        log.error("request %s failed; it alone is finished: %r", req.request_id, exc, exc_info=exc)
+        if not req.finished:
+            self.scheduler.finish(req, "error", None)
+        self.detok.release(req.request_id)
+        delta = make_delta(req, [], "", None)
+        delta.extra["error"] = f"{type(exc).__name__}: {exc}"
+        return delta
+
+    def _drop_broken(self, plan: Step, result) -> list[StepDelta]:
+        """Take the items whose logits were not finite out of the step before it is committed (so
+        nothing they computed this step is counted or cached) and fail their requests."""
+        broken = set(result.bad)
+        sampling = [it for it in plan.items if it.samples]
+        dead = [sampling[i] for i in sorted(broken)]
+        keep = [k for k in range(len(sampling)) if k not in broken]
+        result.token_ids = [result.token_ids[k] for k in keep]
+        result.logprobs = [result.logprobs[k] for k in keep]
+        result.sampled_logprobs = [result.sampled_logprobs[k] for k in keep]
+        result.bad = []
+        plan.items = [it for it in plan.items if all(it is not d for d in dead)]
+        return [self._fail(it.request, FloatingPointError("the model produced non-finite logits for this request"))
+                for it in dead]
+
+    def _emit(self, req: Request, toks: list[int], lps: list, slps: list, drafts: dict[str, int]) -> StepDelta:
+        """Add one request's new tokens one at a time (text, stop checks, grammar), and return its delta."""
+        # the scheduler appended every new token; take them back and add them one at a time, so that
+        # stop checks (max_tokens, EOS, stop strings) see each prefix and the first stop wins
+        del req.output_token_ids[len(req.output_token_ids) - len(toks):]
+        stop, kept_lps = None, []
+        for j, tok in enumerate(toks):
+            req.output_token_ids.append(tok)
+            if lps[j] is not None:
+                req.logprobs.append(lps[j])
+                req.cumulative_logprob += slps[j]
+                kept_lps.append(lps[j])
+            self.total_generation_tokens += 1
+            piece = self.detok.decode_token(req, tok)
+            stop = apply_stop(req, tok, piece, self.max_model_len)
+            if req.matcher is not None:
+                tg = time.perf_counter()
+                if self.structured.accept(req, tok) and stop is None:
+                    stop = ("stop", None)  # the grammar is complete
+                self._grammar_update_s += time.perf_counter() - tg
+            if stop is not None:
+                toks = toks[:j + 1]
+                self.scheduler.finish(req, stop[0], stop[1])
+                break
+        if stop is not None and not isinstance(stop[1], str):  # not cut at a stop string: flush held text
+            self.detok.flush(req, drop_last=stop[0] == "stop")
+        if req.request_id in drafts:  # guesses kept, up to where the sequence stopped
+            self._record_spec(drafts[req.request_id], len(toks) - 1)
+        text = self.detok.take_new_text(req, final=stop is not None)
+        delta = make_delta(req, list(toks), text, kept_lps)
+        if req.prompt_logprobs is not None and len(req.output_token_ids) == 1:
+            delta.extra["prompt_logprobs"] = list(req.prompt_logprobs)  # with the first token, as vLLM
+        if stop is not None:
+            self.detok.release(req.request_id)
+        return delta
 
     # --- speculative decoding -------------------------------------------------------------------------
     def _record_spec(self, proposed: int, accepted: int) -> None:

@@ -282,12 +282,15 @@ def verify(rows: SampleResult, items: list[ScheduledItem]) -> SampleResult:
     kept while the sample at the row before it equals it, and the first differing sample (or, when
     all were kept, the last row's) is the next token (see `conveyor/engine/speculative.py` for why
     this keeps the target's distribution)."""
-    tokens, lps, slps = [], [], []
+    tokens, lps, slps, bad = [], [], [], []
+    bad_rows = set(rows.bad)
     i = 0
     for it in items:
         if not it.samples:
             continue
         n = 1 + it.num_draft
+        if bad_rows and any(r in bad_rows for r in range(i, i + n)):
+            bad.append(len(tokens))
         got = rows.token_ids[i:i + n]
         kept = 0
         guesses = it.request.spec_token_ids
@@ -297,4 +300,4 @@ def verify(rows: SampleResult, items: list[ScheduledItem]) -> SampleResult:
         lps.append(rows.logprobs[i:i + kept + 1])
         slps.append(rows.sampled_logprobs[i:i + kept + 1])
         i += n
-    return SampleResult(tokens, lps, slps)
+    return SampleResult(tokens, lps, slps, bad)

@@ -9,7 +9,7 @@ on what else is in the batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,6 +27,7 @@ class SampleResult:
     token_ids: list
     logprobs: list  # per row: {token: logprob} for sampled + top-k, or None
     sampled_logprobs: list
+    bad: list[int] = field(default_factory=list)  # rows (per-row result) or items (verified) with non-finite logits
 
 
 def _penalise(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
@@ -81,7 +82,8 @@ def sample(logits: torch.Tensor, reqs: list[Request], grammar: GrammarMask | Non
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
     greedy_list = [r.params.greedy for r in reqs]  # decided on the host: no device sync per step
-    tokens = logits.argmax(dim=-1)
+    top, tokens = logits.max(dim=-1)  # the argmax, and its value: NaN or +-inf means a broken row
+    bad = (~torch.isfinite(top)).nonzero().flatten().tolist()
     if not all(greedy_list):
         greedy = torch.tensor(greedy_list, device=dev)
         temps = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in reqs], device=dev)
@@ -127,4 +129,4 @@ def sample(logits: torch.Tensor, reqs: list[Request], grammar: GrammarMask | Non
                     entry.setdefault(t, val)
             lps[i] = entry
             sampled_lp[i] = entry[token_list[i]]
-    return SampleResult(token_list, lps, sampled_lp)
+    return SampleResult(token_list, lps, sampled_lp, bad)

@@ -260,11 +260,15 @@ class OpenAIServing:
         same `RequestOutputBuilder` that `LLM.generate` uses); None if the client left first (then it
         is aborted). A sequence the engine never finished comes back with finish_reason "abort"."""
 
+        errors: list[str] = []
+
         async def run() -> list[RequestOutput]:
             builders = {inp.request_id: RequestOutputBuilder(inp.request_id, inp.params.n, None,
                                                              inp.prompt_token_ids, logprobs=True)
                         for inp in sub.inputs}
             async for d in sub:
+                if d.extra.get("error"):
+                    errors.append(d.extra["error"])
                 builders[d.group_id].add(d)
             outs = [b.build() for b in builders.values()]
             for o, b in zip(outs, builders.values()):
@@ -285,9 +289,18 @@ class OpenAIServing:
         if work not in done:
             return None
         try:
-            return work.result()
+            outs = work.result()
         except EngineDeadError as e:
             raise ApiError(503, str(e), "service_unavailable", code="engine_dead") from None
+        if errors:  # a failure tied to this request alone (the engine goes on): OpenAI's 500
+            raise ApiError(500, f"the request failed in the engine: {errors[0]}", "internal_error",
+                           code="request_failed")
+        return outs
+
+    @staticmethod
+    def _request_error_event(message: str) -> str:
+        body = P.error_body(f"the request failed in the engine: {message}", "internal_error", code="request_failed")
+        return f"data: {json.dumps(body)}\n\n"
 
     @staticmethod
     def _error_event(e: BaseException) -> str:
@@ -412,6 +425,9 @@ class OpenAIServing:
                     for j in range(req.n):
                         yield chunk(P.CompletionChoice(index=i * req.n + j, text=echo[i]))
             async for d in sub:
+                if d.extra.get("error"):  # this request failed alone: say so in-band and end the stream
+                    yield self._request_error_event(d.extra["error"])
+                    break
                 completion_tokens += len(d.new_token_ids)
                 if d.finished and d.index == 0:
                     cached += d.extra.get("num_cached_tokens", 0)
@@ -534,6 +550,9 @@ class OpenAIServing:
             for j in range(req.n):
                 yield chunk(P.ChatStreamChoice(index=j, delta=P.DeltaMessage(role="assistant", content="")))
             async for d in sub:
+                if d.extra.get("error"):  # this request failed alone: say so in-band and end the stream
+                    yield self._request_error_event(d.extra["error"])
+                    break
                 completion_tokens += len(d.new_token_ids)
                 if d.finished and d.index == 0:
                     cached += d.extra.get("num_cached_tokens", 0)
