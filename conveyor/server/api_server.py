@@ -49,6 +49,7 @@ class ServerArgs:
     engine_loop: str = "thread"  # thread | process | inline (see conveyor/engine/engine_loop.py)
     max_request_bytes: int = 8 * 2**20
     shutdown_timeout: float = 10.0
+    request_timeout: float | None = None
     log_interval: float = 10.0
     disable_log_requests: bool = False
     uvicorn_log_level: str = "info"
@@ -75,6 +76,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-request-bytes", type=int, default=8 * 2**20, help="larger bodies get 413")
     g.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests get to finish on SIGTERM/SIGINT before they are aborted")
+    g.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds from arrival after which a request still running is aborted and its blocks freed: "
+                        "408 request_timeout, or an error event in its stream (default: none)")
     g.add_argument("--log-interval", type=float, default=10.0, help="seconds between engine stats log lines")
     g.add_argument("--disable-log-requests", action="store_true", help="no per-request log line")
     g.add_argument("--uvicorn-log-level", default="info")
@@ -127,7 +131,7 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
     aengine = AsyncEngine(client, max_queued_requests=args.max_queued_requests, log_interval_s=args.log_interval)
     metrics = ServerMetrics(info.model_name, aengine.stats, info)
     aengine.metrics = metrics
-    serving = OpenAIServing(aengine, [info.model_name])
+    serving = OpenAIServing(aengine, [info.model_name], args.request_timeout)
     logging.getLogger("conveyor.server.requests").disabled = args.disable_log_requests
 
     @asynccontextmanager

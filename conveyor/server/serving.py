@@ -36,12 +36,16 @@ class ApiError(Exception):
     """An error that becomes OpenAI's {"error": {...}} body with `status`."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return P.error_body(self.message, self.type, self.param, self.code)
 
     def response(self) -> JSONResponse:
-        return JSONResponse(P.error_body(self.message, self.type, self.param, self.code), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None) -> ApiError:
@@ -128,8 +132,9 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 class OpenAIServing:
-    def __init__(self, aengine: AsyncEngine, model_names: list[str]) -> None:
+    def __init__(self, aengine: AsyncEngine, model_names: list[str], request_timeout: float | None = None) -> None:
         self.aengine = aengine
+        self.request_timeout = request_timeout  # seconds from arrival; then the request is aborted (408)
         self.info = aengine.info
         self.model_names = model_names
         # A private tokenizer: HF fast tokenizers may refuse concurrent use ("Already borrowed") and the
@@ -244,8 +249,8 @@ class OpenAIServing:
     def submit(self, api_id: str, inputs: list[EngineInput]) -> Submission:
         try:
             return self.aengine.submit(api_id, inputs)
-        except QueueFullError as e:
-            raise ApiError(429, str(e), "rate_limit_error", code="queue_full") from None
+        except QueueFullError as e:  # Retry-After: about when a queue of this length has moved on
+            raise ApiError(429, str(e), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
         except EngineDeadError as e:
             raise ApiError(503, str(e), "service_unavailable", code="engine_dead") from None
 
@@ -280,12 +285,15 @@ class OpenAIServing:
         work = asyncio.ensure_future(run())
         watch = asyncio.ensure_future(_wait_disconnect(request))
         try:
-            done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED,
+                                         timeout=self._time_left(sub))
         finally:
             watch.cancel()
             if not work.done():
                 work.cancel()
-            sub.close()
+            sub.close()  # aborts whatever is unfinished: its blocks are freed
+        if not done:
+            raise self._timeout_error()
         if work not in done:
             return None
         try:
@@ -296,6 +304,24 @@ class OpenAIServing:
             raise ApiError(500, f"the request failed in the engine: {errors[0]}", "internal_error",
                            code="request_failed")
         return outs
+
+    def _time_left(self, sub: Submission) -> float | None:
+        if self.request_timeout is None:
+            return None
+        return max(self.request_timeout - (time.monotonic() - sub.arrival), 0.0)
+
+    def _timeout_error(self) -> ApiError:
+        return ApiError(408, f"the request did not finish within --request-timeout ({self.request_timeout:g} s); "
+                             "it was aborted", "timeout_error", code="request_timeout")
+
+    async def _deltas(self, sub: Submission) -> AsyncIterator:
+        """`sub`'s deltas, until the request's deadline (--request-timeout): then TimeoutError."""
+        it = sub.__aiter__()
+        while True:
+            try:
+                yield await asyncio.wait_for(it.__anext__(), self._time_left(sub))
+            except StopAsyncIteration:
+                return
 
     @staticmethod
     def _request_error_event(message: str) -> str:
@@ -424,7 +450,7 @@ class OpenAIServing:
                 for i in range(len(prompts)):
                     for j in range(req.n):
                         yield chunk(P.CompletionChoice(index=i * req.n + j, text=echo[i]))
-            async for d in sub:
+            async for d in self._deltas(sub):
                 if d.extra.get("error"):  # this request failed alone: say so in-band and end the stream
                     yield self._request_error_event(d.extra["error"])
                     break
@@ -446,6 +472,8 @@ class OpenAIServing:
             if include_usage:
                 usage = _usage(sum(len(ids) for _, ids in prompts), completion_tokens, cached)
                 yield _sse(P.CompletionChunk(id=sub.api_id, created=created, model=model, choices=[], usage=usage))
+        except (TimeoutError, asyncio.TimeoutError):  # --request-timeout: abort (finally) and say so in-band
+            yield f"data: {json.dumps(self._timeout_error().body())}\n\n"
         except Exception as e:  # the engine died mid-stream: tell the client in-band
             yield self._error_event(e)
         finally:
@@ -549,7 +577,7 @@ class OpenAIServing:
         try:
             for j in range(req.n):
                 yield chunk(P.ChatStreamChoice(index=j, delta=P.DeltaMessage(role="assistant", content="")))
-            async for d in sub:
+            async for d in self._deltas(sub):
                 if d.extra.get("error"):  # this request failed alone: say so in-band and end the stream
                     yield self._request_error_event(d.extra["error"])
                     break
@@ -568,6 +596,8 @@ class OpenAIServing:
                 usage = _usage(num_prompt, completion_tokens, cached)
                 yield _sse(P.ChatCompletionChunk(id=sub.api_id, created=created, model=model, choices=[],
                                                  usage=usage))
+        except (TimeoutError, asyncio.TimeoutError):
+            yield f"data: {json.dumps(self._timeout_error().body())}\n\n"
         except Exception as e:
             yield self._error_event(e)
         finally:

@@ -115,9 +115,35 @@ def test_queue_full_gives_429_and_static_batches_flush(tiny_llama):
         assert r.status_code == 429, r.text
         err = r.json()["error"]
         assert err["type"] == "rate_limit_error" and "queue is full" in err["message"]
+        assert r.headers["Retry-After"] == "1"
         t.join()
         # the partial batch was flushed, not stuck forever
         assert first[0].status_code == 200 and first[0].json()["usage"]["completion_tokens"] == 8
         assert time.monotonic() - t0 >= 7.9
         m = srv.wait_idle()
         assert m["conveyor:num_requests_waiting"] == 0 and m["conveyor:kv_cache_blocks_used"] == 0
+
+
+def test_request_timeout_aborts_and_frees(tiny_llama):
+    """--request-timeout: a request still running at its deadline is aborted (its blocks freed) and
+    answered 408 request_timeout; a stream gets an error event. Every step is slowed to 20 ms so that
+    a 480-token request lasts ~10 s, far beyond the 1 s deadline, on any machine."""
+    with run_server(tiny_config(tiny_llama), ServerArgs(request_timeout=1.0)) as srv:
+        engine = srv.app.state.engine.client.engine
+        real = engine.step
+        engine.step = lambda: (time.sleep(0.02), real())[1]
+        try:
+            body = {"model": MODEL, "prompt": "Wait for it", "max_tokens": 480, "ignore_eos": True}
+            t0 = time.monotonic()
+            r = httpx.post(srv.base_url + "/completions", json=body, timeout=30)
+            assert r.status_code == 408, r.text
+            assert r.json()["error"]["code"] == "request_timeout" and time.monotonic() - t0 < 8
+            with httpx.stream("POST", srv.base_url + "/completions", json={**body, "stream": True}, timeout=30) as s:
+                lines = [line for line in s.iter_lines() if line.startswith("data: ")]
+            assert '"request_timeout"' in lines[-2] and lines[-1] == "data: [DONE]"
+            m = srv.wait_idle()
+            assert m["conveyor:num_requests_running"] == 0 and m["conveyor:kv_cache_blocks_used"] == 0
+            ok = httpx.post(srv.base_url + "/completions", json={**body, "max_tokens": 4}, timeout=30)
+            assert ok.status_code == 200  # short requests still finish in time
+        finally:
+            del engine.step
