@@ -154,14 +154,12 @@ class SpecBackoff:
     rate is higher (by a small margin, since t is measured once and noisy)."""
 
     MARGIN = 1.05
-    EXPLORE_EVERY = 32  # when guessing does not pay, still guess one step in this many: the rate may have changed
 
     def __init__(self, costs: dict[int, float]) -> None:
         self.sizes = np.array(sorted(costs), dtype=np.float64)
         self.times = np.array([costs[n] for n in sorted(costs)], dtype=np.float64)
-        self.accepted = 2.0  # optimistic start (a prior of 2 of 2 accepted): the first guesses are tried
+        self.accepted = 1.0  # optimistic start (prior of 2 of 2 accepted): the first guesses are tried
         self.proposed = 2.0
-        self.skipped = 0  # steps in a row the model said no
 
     def t(self, n: int) -> float:
         return float(np.interp(n, self.sizes, self.times, right=self.times[-1] * n / self.sizes[-1]))
@@ -178,14 +176,7 @@ class SpecBackoff:
         rate = self.accepted / max(self.proposed, 1e-9)
         plain = num_decodes / self.t(num_decodes + num_other)
         spec = (num_decodes + rate * num_guesses) / (self.t(num_decodes + num_other + num_guesses) + guess_cost_s)
-        if spec > plain * self.MARGIN:
-            self.skipped = 0
-            return True
-        self.skipped += 1
-        if self.skipped >= self.EXPLORE_EVERY:  # a step of guesses to learn the current acceptance rate
-            self.skipped = 0
-            return True
-        return False
+        return spec > plain * self.MARGIN
 
 
 def measure_forward_costs(runner, max_rows: int, context: int = 256, repeats: int = 3) -> dict[int, float]:
