@@ -29,17 +29,22 @@ def poisoned_detokenizer(server, monkeypatch):
     monkeypatch.setattr(engine.detok, "decode_token", decode_token)
 
 
-@pytest.fixture()
-def poisoned_logits(monkeypatch):
+def _poison_logits(monkeypatch, value: float) -> None:
+    """Every logit row of a request whose prompt starts with POISON becomes `value` (NaN, inf)."""
     real = model_runner.sample
 
     def sample(logits, reqs, grammar=None, positions=None):
         for i, r in enumerate(reqs):
             if r.prompt_token_ids[0] == POISON:
-                logits[i] = float("nan")
+                logits[i] = value
         return real(logits, reqs, grammar, positions)
 
     monkeypatch.setattr(model_runner, "sample", sample)
+
+
+@pytest.fixture()
+def poisoned_logits(monkeypatch):
+    _poison_logits(monkeypatch, float("nan"))
 
 
 def _good(client, i: int) -> str:
@@ -74,15 +79,7 @@ def test_offline_generate_reports_the_failed_request(tiny_llama, monkeypatch):
     from conveyor import LLM, SamplingParams
 
     llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=64, max_model_len=256)
-    real = model_runner.sample
-
-    def sample(logits, reqs, grammar=None, positions=None):
-        for i, r in enumerate(reqs):
-            if r.prompt_token_ids[0] == POISON:
-                logits[i] = float("inf")
-        return real(logits, reqs, grammar, positions)
-
-    monkeypatch.setattr(model_runner, "sample", sample)
+    _poison_logits(monkeypatch, float("inf"))
     outs = llm.generate([{"prompt_token_ids": [POISON, 5]}, {"prompt_token_ids": [9, 5]}],
                         SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
     assert outs[0].outputs[0].finish_reason == "error"
