@@ -38,8 +38,8 @@ class Step:
     def has_room(self) -> bool:
         return self.token_budget > 0 and len(self.items) < self.max_seqs
 
-    def add(self, req: Request, n: int, num_draft: int = 0) -> None:
-        self.items.append(ScheduledItem(req, n, num_draft))
+    def add(self, req: Request, n: int) -> None:
+        self.items.append(ScheduledItem(req, n))
         self.scheduled_ids.add(req.request_id)
         self.token_budget -= n
 
@@ -255,7 +255,8 @@ class Scheduler:
                 toks = entry if isinstance(entry, list) else [entry]
             rejected = it.num_draft - (len(toks) - 1) if it.num_draft else 0
             req.num_computed_tokens += it.num_tokens - rejected
-            req.spec_token_ids = []
+            if req.spec_token_ids:  # verified (or unused): the next guesses come after this step
+                req.spec_token_ids = []
             if it.num_draft and not req.finished:
                 req.output_token_ids.extend(toks[:-1])  # kept guesses, before their blocks are indexed
                 self.kv.truncate(req, req.num_computed_tokens)
