@@ -46,6 +46,7 @@ class ServerArgs:
     port: int = 8000
     api_key: str | None = None
     max_queued_requests: int | None = 1024
+    max_queued_tokens: int | None = None
     engine_loop: str = "thread"  # thread | process | inline (see conveyor/engine/engine_loop.py)
     max_request_bytes: int = 8 * 2**20
     shutdown_timeout: float = 10.0
@@ -68,7 +69,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $CONVEYOR_API_KEY)")
     g.add_argument("--max-queued-requests", type=int, default=1024,
-                   help="waiting sequences beyond which new requests get 429")
+                   help="waiting sequences beyond which new requests get 429 with Retry-After (default: 1024)")
+    g.add_argument("--max-queued-tokens", type=int, default=None,
+                   help="prompt tokens of requests not yet started (queued or in prefill) beyond which new "
+                        "requests get 429 with Retry-After; bounds what a burst of long prompts holds (default: "
+                        "no limit besides --max-queued-requests)")
     g.add_argument("--engine-loop", default="thread", choices=["thread", "process", "inline"],
                    help="where the engine loop runs: a thread of the server process, its own process, or the "
                         "event loop itself (the naive design, for comparison); docs/engine-loop.md has the "
@@ -128,7 +133,8 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
         ServerArgs.from_namespace(server_args) if server_args is not None else ServerArgs())
     client = make_client(engine_config, args.engine_loop, engine)
     info = client.info
-    aengine = AsyncEngine(client, max_queued_requests=args.max_queued_requests, log_interval_s=args.log_interval)
+    aengine = AsyncEngine(client, max_queued_requests=args.max_queued_requests, log_interval_s=args.log_interval,
+                          max_queued_tokens=args.max_queued_tokens)
     metrics = ServerMetrics(info.model_name, aengine.stats, info)
     aengine.metrics = metrics
     serving = OpenAIServing(aengine, [info.model_name], args.request_timeout)

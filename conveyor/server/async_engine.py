@@ -42,7 +42,7 @@ __all__ = ["AsyncEngine", "EngineDeadError", "EngineInput", "QueueFullError", "S
 
 
 class QueueFullError(RuntimeError):
-    """The waiting queue holds `max_queued_requests` sequences already."""
+    """The waiting queue holds `max_queued_requests` sequences, or `max_queued_tokens` prompt tokens, already."""
 
 
 @dataclass
@@ -83,9 +83,13 @@ class Submission:
         self.seqs: dict[str, _Seq] = {}
         self.remaining = sum(inp.params.n for inp in inputs)
         self.closed = False
+        # prompt tokens of engine requests that have produced nothing yet (queued or in prefill), by group id
+        self.unstarted = {inp.request_id: len(inp.prompt_token_ids) * inp.params.n for inp in inputs}
 
     # --- called on the event loop -----------------------------------------------------------------
     def _on_delta(self, d: StepDelta, t: float) -> None:
+        if self.unstarted:
+            self.engine._started(self, d.group_id)
         seq = self.seqs.get(d.request_id)
         if seq is None:
             seq = self.seqs[d.request_id] = _Seq(self.arrival)
@@ -166,12 +170,17 @@ class _Counters:
 
 class AsyncEngine:
     def __init__(self, client: EngineClient, metrics: ServerMetrics | None = None,
-                 max_queued_requests: int | None = None, log_interval_s: float = 10.0) -> None:
+                 max_queued_requests: int | None = None, log_interval_s: float = 10.0,
+                 max_queued_tokens: int | None = None) -> None:
         self.client = client
         self.info = client.info
         self.tokenizer = client.tokenizer
         self.metrics = metrics
         self.max_queued_requests = max_queued_requests
+        self.max_queued_tokens = max_queued_tokens
+        # prompt tokens sent to the engine whose requests have not produced a token yet: what a burst of
+        # long prompts holds in memory and in front of everyone else, bounded by `max_queued_tokens`
+        self.queued_tokens = 0
         self.log_interval_s = log_interval_s
         self._num_pending_adds = 0  # sequences sent but not yet taken in by the engine
         self._subs: dict[str, Submission] = {}
@@ -220,11 +229,18 @@ class AsyncEngine:
             if queued + num > self.max_queued_requests:
                 raise QueueFullError(f"the waiting queue is full ({queued} queued, limit "
                                      f"{self.max_queued_requests}); retry later")
+        if self.max_queued_tokens is not None:
+            tokens = sum(len(inp.prompt_token_ids) * inp.params.n for inp in inputs)
+            # an empty queue always takes one request, so a prompt longer than the limit is not refused forever
+            if self.queued_tokens and self.queued_tokens + tokens > self.max_queued_tokens:
+                raise QueueFullError(f"the waiting queue is full ({self.queued_tokens} prompt tokens queued, limit "
+                                     f"{self.max_queued_tokens}); retry later")
         sub = Submission(self, api_id, inputs, time.monotonic())
         self._subs[api_id] = sub
         for inp in inputs:
             self._group_to_sub[inp.request_id] = sub
         self._num_pending_adds += num
+        self.queued_tokens += sum(sub.unstarted.values())
         for inp in inputs:
             self.client.send(AddRequest(inp.request_id, inp.prompt_token_ids, inp.params, inp.priority,
                                         sub.arrival, inp.cache_salt))
@@ -246,10 +262,16 @@ class AsyncEngine:
     def release(self, sub: Submission, abort: bool) -> None:
         """A submission is done with: stop routing to it and, if it was unfinished, abort its requests."""
         self._subs.pop(sub.api_id, None)
+        self.queued_tokens -= sum(sub.unstarted.values())
+        sub.unstarted.clear()
         for inp in sub.inputs:
             self._group_to_sub.pop(inp.request_id, None)
             if abort:
                 self._abort(inp.request_id)
+
+    def _started(self, sub: Submission, group_id: str) -> None:
+        """A request's first output: its prompt tokens leave the queued count."""
+        self.queued_tokens -= sub.unstarted.pop(group_id, 0)
 
     def _abort(self, request_id: str) -> None:
         self.client.send(AbortRequest(request_id))

@@ -124,6 +124,37 @@ def test_queue_full_gives_429_and_static_batches_flush(tiny_llama):
         assert m["conveyor:num_requests_waiting"] == 0 and m["conveyor:kv_cache_blocks_used"] == 0
 
 
+def test_queued_prompt_tokens_limit_gives_429(tiny_llama):
+    """--max-queued-tokens: prompt tokens of requests not yet started are bounded too, so a burst of
+    long prompts is refused (429, Retry-After) before it fills memory; short ones still fit."""
+    cfg = tiny_config(tiny_llama, scheduler="static", batch_size=4, static_flush_ms=6000.0)
+    with run_server(cfg, ServerArgs(max_queued_tokens=100)) as srv:
+        body = {"model": MODEL, "prompt": [7] * 40, "max_tokens": 2, "n": 2, "ignore_eos": True}
+        done: list[httpx.Response] = []
+
+        def post(b: dict) -> threading.Thread:
+            t = threading.Thread(target=lambda: done.append(httpx.post(srv.base_url + "/completions", json=b,
+                                                                       timeout=30)))
+            t.start()
+            return t
+
+        t0 = time.monotonic()
+        first = post(body)  # 2 x 40 = 80 prompt tokens wait for the static batch to fill
+        while srv.app.state.engine.queued_tokens < 80:
+            assert time.monotonic() - t0 < 4, "the first request never queued"
+            time.sleep(0.02)
+        r = httpx.post(srv.base_url + "/completions", json={**body, "n": 1}, timeout=5)  # 80 + 40 > 100
+        assert r.status_code == 429, r.text
+        assert "prompt tokens queued" in r.json()["error"]["message"] and r.headers["Retry-After"] == "1"
+        second = post({**body, "prompt": [7] * 20, "n": 1})  # 80 + 20 fits
+        first.join()
+        second.join()
+        assert sorted(x.status_code for x in done) == [200, 200]
+        assert srv.app.state.engine.queued_tokens == 0
+        m = srv.wait_idle()
+        assert m["conveyor:num_requests_waiting"] == 0 and m["conveyor:kv_cache_blocks_used"] == 0
+
+
 def test_request_timeout_aborts_and_frees(tiny_llama):
     """--request-timeout: a request still running at its deadline is aborted (its blocks freed) and
     answered 408 request_timeout; a stream gets an error event. Every step is slowed to 20 ms so that
