@@ -4,6 +4,7 @@
     conveyor bench run --url http://127.0.0.1:8000 --concurrency 16 --workload longtail
     conveyor bench compare --request-rates 1,2,4,inf --out-dir docs/lab
     conveyor bench report docs/lab/results.json     # re-render the report from saved numbers
+    conveyor bench stress overload|storm|soak --url http://127.0.0.1:8000   # docs/reliability.md
 
 `conveyor bench` without a subcommand means `run`.
 """
@@ -20,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from conveyor.bench.stress import add_stress_parser, cmd_stress
 from conveyor.bench.workloads import WORKLOADS, WorkloadSpec
 from conveyor.cli import add_engine_args, document, engine_config_from_args
 
@@ -126,19 +128,22 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", parents=[common], help="rewrite a comparison's report from its results.json")
     rep.add_argument("results", type=Path, help="the results.json that `bench compare` wrote")
     rep.add_argument("--out-dir", type=Path, default=None, help="default: the results file's directory")
+    add_stress_parser(sub, common)
     return document(parser)
 
 
 def main(argv: list[str]) -> int:
     argv = list(argv)
     parser = build_parser()
-    if not argv or argv[0] not in ("run", "compare", "report", "-h", "--help"):
+    if not argv or argv[0] not in ("run", "compare", "report", "stress", "-h", "--help"):
         argv = ["run", *argv]  # `conveyor bench` alone means `conveyor bench run`
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.WARNING),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "report":
         return cmd_report(args)
+    if args.command == "stress":
+        return cmd_stress(args)
     if args.threads is not None:
         import torch
 

@@ -47,14 +47,35 @@ class PackedLinear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         m = x2.shape[0]
-        p = self.row_multiple
-        if p is not None and p > 1 and m % p:
-            x2 = F.pad(x2, (0, 0, 0, p - m % p))
+        rows = padded_rows(m, self.row_multiple or 1)
+        if rows != m:
+            x2 = F.pad(x2, (0, 0, 0, rows - m))
         return self._mm(x2)[:m].view(*shape[:-1], self.out_features)
 
     @property
     def batch_invariant(self) -> bool:
         return self.row_multiple is not None
+
+
+EXACT_ROWS = 64  # up to this many rows, every row count gets its own oneDNN primitive
+ROW_BUCKETS_PER_OCTAVE = 8
+
+
+def padded_rows(m: int, multiple: int = 1) -> int:
+    """The row count a matmul of `m` rows runs with: `m` rounded up to `multiple` (batch invariance,
+    see `_row_multiple`) and, above `EXACT_ROWS`, to one of 8 sizes per power of two.
+
+    Why the buckets: oneDNN (and ideep above it) caches one compiled primitive, about 0.65 MB, per
+    distinct shape, up to 1,024 of each. Prefill chunks give a new row count almost every step, so a
+    server's RSS climbed by hundreds of MB under load before the caches filled (measured: 0.40 GB
+    idle to 1.08 GB after 2.5 minutes of mixed load on the tiny test model). With buckets the row
+    counts a server ever sees are bounded (about 90 up to 8,192 rows), each is compiled once, and
+    the price is at most 12.5% padding rows (6% on average) in steps of more than 64 rows.
+    """
+    if m > EXACT_ROWS:
+        step = 1 << (m.bit_length() - ROW_BUCKETS_PER_OCTAVE.bit_length())  # 2^(floor(log2 m) - 3)
+        m = -(-m // step) * step
+    return -(-m // multiple) * multiple
 
 
 _ROW_MULTIPLE: dict[tuple[int, int, torch.dtype], int | None] = {}

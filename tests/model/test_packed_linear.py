@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from conveyor.model.packed_linear import PackedLinear, packing_available
+from conveyor.model.packed_linear import PackedLinear, packing_available, padded_rows
 
 pytestmark = pytest.mark.skipif(not packing_available(torch.device("cpu"), torch.bfloat16),
                                 reason="oneDNN packing unavailable")
@@ -31,4 +31,26 @@ def test_rows_do_not_depend_on_the_batch(k, n):
     x = torch.randn(80, k).bfloat16()
     alone = torch.cat([lin(x[i:i + 1]) for i in range(80)])
     for m in list(range(1, 20)) + [31, 33, 63, 64, 65, 80]:
+        assert torch.equal(lin(x[:m]), alone[:m]), f"M={m}"
+
+
+def test_row_buckets_are_bounded_and_cheap():
+    """Above 64 rows the row count is padded to one of 8 sizes per octave: a bounded set of oneDNN
+    primitives (each ~0.65 MB, cached per shape) for at most 12.5% extra rows."""
+    sizes = {padded_rows(m, 2) for m in range(1, 8193)}
+    assert len(sizes) <= 100
+    for m in range(1, 8193):
+        r = padded_rows(m, 2)
+        assert r >= m and r % 2 == 0
+        assert r == m + (m % 2) if m <= 64 else r <= m * 1.125
+
+
+def test_bucketed_rows_do_not_depend_on_the_batch():
+    torch.manual_seed(2)
+    lin = PackedLinear(nn.Linear(576, 1536, bias=False).bfloat16())
+    if lin.row_multiple is None:
+        pytest.skip("no row padding makes oneDNN row-invariant for this shape on this CPU (logged)")
+    x = torch.randn(300, 576).bfloat16()
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(300)])
+    for m in (65, 100, 129, 200, 257, 300):
         assert torch.equal(lin(x[:m]), alone[:m]), f"M={m}"
