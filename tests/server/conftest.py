@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -66,6 +68,22 @@ class Server:
             if idle or time.monotonic() > deadline:
                 return m
             time.sleep(0.02)
+
+
+def popen_server(cmd: list[str], **kw) -> subprocess.Popen:
+    """Start a server process whose output goes to a temporary file, read with `server_output`.
+
+    Not a pipe: nobody reads a pipe while the test runs, and once its 64 KiB buffer is full (log
+    lines, a slow machine) the server blocks on its next write and the test times out."""
+    log_file = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, text=True, **kw)
+    proc.log_file = log_file
+    return proc
+
+
+def server_output(proc: subprocess.Popen) -> str:
+    proc.log_file.seek(0)
+    return proc.log_file.read()
 
 
 def free_socket() -> socket.socket:

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from .conftest import MODEL, free_socket, run_server, tiny_config
+from .conftest import MODEL, free_socket, popen_server, run_server, server_output, tiny_config
 
 
 def test_engine_death_gives_503_and_stream_errors(tiny_llama):
@@ -46,8 +46,7 @@ def _serve(tiny_llama, port: int, *extra: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "conveyor", "serve", "--model", str(tiny_llama), "--port", str(port),
            "--kv-cache-memory", "0.01", "--max-model-len", "512", "--served-model-name", MODEL, "--dtype", "float32",
            *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "CONVEYOR_API_KEY": "env-key"})
+    return popen_server(cmd, env={**os.environ, "CONVEYOR_API_KEY": "env-key"})
 
 
 def test_sigterm_drains_then_exits_0(tiny_llama):
@@ -61,7 +60,7 @@ def test_sigterm_drains_then_exits_0(tiny_llama):
     try:
         deadline = time.monotonic() + 90
         while True:
-            assert proc.poll() is None, proc.stdout.read()
+            assert proc.poll() is None, server_output(proc)
             try:
                 if httpx.get(url + "/health", timeout=1).status_code == 200:
                     break
@@ -89,7 +88,7 @@ def test_sigterm_drains_then_exits_0(tiny_llama):
         rc = proc.wait(timeout=30)
         elapsed = time.monotonic() - t0
         t.join(10)
-        out = proc.stdout.read()
+        out = server_output(proc)
         assert rc == 0, out
         assert elapsed < 10, f"shutdown took {elapsed:.1f}s"
         assert lines[-1] == "data: [DONE]", lines[-3:]
