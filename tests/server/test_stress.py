@@ -1,0 +1,87 @@
+"""Load tests on loopback against a real server process (the tiny model): overload, a disconnect
+storm and a 2-minute soak, each with the promises of `conveyor.bench.stress` (docs/reliability.md
+has the long versions and their numbers).
+
+Each test starts its own `conveyor serve` process so that its RSS is the server's alone."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+import httpx
+import pytest
+
+from conveyor.bench.stress import disconnect_storm, overload, soak
+
+from .conftest import MODEL, free_socket, popen_server, server_output
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RSS sampling assumes Linux")
+
+
+class ServerProc:
+    def __init__(self, tiny_llama, *extra: str) -> None:
+        sock = free_socket()
+        port = sock.getsockname()[1]
+        sock.close()
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = popen_server([sys.executable, "-m", "conveyor", "serve", "--model", str(tiny_llama),
+                                  "--port", str(port), "--kv-cache-memory", "0.01", "--max-model-len", "512",
+                                  "--served-model-name", MODEL, "--dtype", "float32", "--disable-log-requests",
+                                  "--uvicorn-log-level", "warning", *extra])
+        deadline = time.monotonic() + 120
+        while True:
+            assert self.proc.poll() is None, server_output(self.proc)
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.1)
+
+    def __enter__(self) -> ServerProc:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def check(self, problems: list[str]) -> None:
+        assert self.proc.poll() is None, "the server died:\n" + server_output(self.proc)[-3000:]
+        assert not problems, problems
+
+
+def test_overload_gives_only_200_or_429(tiny_llama):
+    """10x max_num_seqs closed-loop clients plus a burst of 200 at once: only 200 and 429 (never a
+    5xx, a reset or a broken stream), /health p99 under 1 s, RSS under idle + 512 MB, idle after."""
+    with ServerProc(tiny_llama, "--max-num-seqs", "8", "--max-queued-requests", "24",
+                    "--max-queued-tokens", "4000") as srv:
+        r = asyncio.run(overload(srv.url, clients=80, duration_s=12.0, burst=200, burst_at_s=3.0,
+                                 pid=srv.proc.pid, rss_headroom_mb=512))
+        srv.check(r.problems())
+        assert r.statuses["200"] >= 20 and r.rss_peak_mb is not None
+
+
+def test_disconnect_storm_leaves_nothing_behind(tiny_llama):
+    """300 streams cut at random points (before the first token, mid-stream, in prefill) beside 16
+    well-behaved clients: these all complete, and afterwards nothing runs, waits or holds a block."""
+    with ServerProc(tiny_llama, "--max-num-seqs", "32") as srv:
+        r = asyncio.run(disconnect_storm(srv.url, cuts=300, concurrency=48, good_clients=16,
+                                         long_prompt_words=80))
+        srv.check(r.problems())
+        assert r.refused == 0
+        assert r.cut_before_first_token > 0 and r.cut_mid_stream > 0 and r.cut_in_prefill > 0
+        assert r.aborted > 50, "the cuts should reach the engine and be counted as aborts"
+
+
+def test_soak_two_minutes_rss_flat(tiny_llama):
+    """The suite's 2-minute soak (the 20-minute one is `conveyor bench stress soak`): a mixed load of
+    12 clients; every request that was not cut succeeds, and after a 60 s warm-up RSS grows < 5%."""
+    with ServerProc(tiny_llama, "--max-num-seqs", "32") as srv:
+        r = asyncio.run(soak(srv.url, duration_s=120.0, warmup_s=60.0, clients=12, rss_every_s=5.0,
+                             max_tokens=(16, 48), pid=srv.proc.pid))
+        srv.check(r.problems())
+        assert r.requests > 100 and r.growth is not None
