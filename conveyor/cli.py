@@ -22,7 +22,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--kv-cache-memory", type=float, default=None,
-                   help="GiB for the KV cache (default: half the free memory, at most 4 GiB on CPU)")
+                   help="GiB for the KV cache; wins over --gpu-memory-utilization (default: half the free memory, "
+                        "at most 4 GiB on CPU)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="vLLM's budget: the fraction of the GPU's memory (CUDA) or of total RAM (CPU) this engine "
+                        "may use, weights and activations included; the KV cache gets the rest (e.g. 0.9)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -104,6 +108,7 @@ def engine_config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
     return EngineConfig(
         model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         scheduler=args.scheduler, **{opt.name: getattr(args, opt.name) for opt in all_options()},
         enable_prefix_caching=args.enable_prefix_caching, admission_reserve=args.admission_reserve,

@@ -26,7 +26,10 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda
     block_size: int = 16
     kv_cache_memory: float | None = None  # GiB; None: a fraction of free memory
-    kv_cache_memory_fraction: float = 0.5  # of free memory, used when kv_cache_memory is None
+    kv_cache_memory_fraction: float = 0.5  # of free memory, used when neither budget below is given
+    # vLLM's budget: the fraction of the device's memory (CUDA) or of total RAM (CPU) this engine may use,
+    # weights and activations included; the KV cache gets what is left. kv_cache_memory wins over it.
+    gpu_memory_utilization: float | None = None
     num_kv_blocks: int | None = None  # override (tests): exact pool size
     max_model_len: int | None = None
     max_num_seqs: int = 256
@@ -76,5 +79,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be auto or int8, got {self.kv_cache_dtype!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")

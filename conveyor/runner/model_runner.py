@@ -173,7 +173,12 @@ class ModelRunner:
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
         if config.kv_cache_memory is not None:
+            if config.gpu_memory_utilization is not None:
+                log.info("--kv-cache-memory %.2f GiB given: --gpu-memory-utilization is ignored",
+                         config.kv_cache_memory)
             budget = config.kv_cache_memory * 2**30
+        elif config.gpu_memory_utilization is not None:
+            budget = self._kv_budget_from_utilization(config)
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = free * config.kv_cache_memory_fraction
@@ -185,6 +190,49 @@ class ModelRunner:
             raise ValueError(f"kv_cache_memory is too small for even two KV blocks "
                              f"({self.bytes_per_block} bytes each)")
         return n
+
+    def activation_headroom(self, config: EngineConfig) -> int:
+        """Bytes a step's activations may take at most, kept out of the KV budget: per batched token the
+        hidden state, q/k/v, the MLP's gate and up and a few temporaries in fp32, and per sequence
+        its logits row and the sampler's copies of it."""
+        c = self.model_config
+        per_token = 4 * (6 * c.hidden_size + 3 * c.intermediate_size
+                         + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim)
+        per_seq = 4 * 4 * c.vocab_size
+        return config.max_num_batched_tokens * per_token + config.max_num_seqs * per_seq
+
+    def _kv_budget_from_utilization(self, config: EngineConfig) -> float:
+        """vLLM's --gpu-memory-utilization: this engine may use `u` of the device's memory (CUDA) or of
+        the machine's RAM (CPU). The KV cache gets that minus what the process already holds (weights,
+        runtime: CUDA's allocated bytes, the process's RSS on CPU) and the activation headroom."""
+        u = config.gpu_memory_utilization
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = torch.cuda.memory_allocated(self.device)
+            where = "GPU memory"
+            if total * u > free + used:
+                raise ValueError(f"gpu_memory_utilization {u} asks for {total * u / 2**30:.2f} GiB but only "
+                                 f"{(free + used) / 2**30:.2f} GiB of the GPU's {total / 2**30:.2f} GiB are free; "
+                                 "lower it (other processes use the rest)")
+        else:
+            vm = psutil.virtual_memory()
+            total = vm.total
+            used = psutil.Process().memory_info().rss
+            where = "RAM"
+            if total * u - used > vm.available:
+                raise ValueError(f"gpu_memory_utilization {u} asks for {total * u / 2**30:.2f} GiB of RAM but only "
+                                 f"{(vm.available + used) / 2**30:.2f} GiB are available to this process; lower it")
+        headroom = self.activation_headroom(config)
+        budget = total * u - used - headroom
+        if budget < 2 * self.bytes_per_block:
+            raise ValueError(f"gpu_memory_utilization {u} gives this engine {total * u / 2**30:.2f} GiB of {where}, "
+                             f"but the weights and runtime already hold {used / 2**30:.2f} GiB and a step's "
+                             f"activations need up to {headroom / 2**30:.2f} GiB: nothing is left for the KV "
+                             "cache. Raise it, or give --kv-cache-memory in GiB")
+        log.info("--gpu-memory-utilization %.2f: %.2f GiB of %s, %.2f GiB held already, %.2f GiB for activations: "
+                 "%.2f GiB for the KV cache", u, total * u / 2**30, where, used / 2**30, headroom / 2**30,
+                 budget / 2**30)
+        return budget
 
     def _prompt_logprobs(self, items: list[ScheduledItem], query_lens: list[int], hidden: torch.Tensor
                          ) -> dict[str, list[dict[int, float]]]:
