@@ -4,6 +4,7 @@
     conveyor bench run --url http://127.0.0.1:8000 --concurrency 16 --workload longtail
     conveyor bench compare --request-rates 1,2,4,inf --out-dir docs/lab
     conveyor bench report docs/lab/results.json     # re-render the report from saved numbers
+    conveyor bench sweep --knob max_num_seqs=8,16,32,64 --concurrency 64   # one knob over a range
     conveyor bench stress overload|storm|soak --url http://127.0.0.1:8000   # docs/reliability.md
 
 `conveyor bench` without a subcommand means `run`.
@@ -128,6 +129,20 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", parents=[common], help="rewrite a comparison's report from its results.json")
     rep.add_argument("results", type=Path, help="the results.json that `bench compare` wrote")
     rep.add_argument("--out-dir", type=Path, default=None, help="default: the results file's directory")
+    sw = sub.add_parser("sweep", parents=[common],
+                        help="one engine knob (or a grid) over a range, same requests each point; a table and plots")
+    sw.add_argument("--knob", action="append", required=True, metavar="NAME=V1,V2,...",
+                    help="a knob and its values, e.g. max_num_seqs=8,16,32; repeat for a grid (knobs: "
+                         "max_num_seqs, max_num_batched_tokens, block_size, gpu_memory_utilization, "
+                         "kv_cache_memory, num_kv_blocks, scheduler)")
+    sw_loop = sw.add_mutually_exclusive_group()
+    sw_loop.add_argument("--concurrency", type=int, default=None, help="closed loop: requests in flight")
+    sw_loop.add_argument("--request-rate", type=_rate, default=float("inf"),
+                         help="open loop: Poisson arrivals per second (default inf: all at once)")
+    sw.add_argument("--out-dir", type=Path, default=None,
+                    help="where sweep.md, sweep.json and the plot go (default: bench-results/sweep-YYYYmmdd-HHMMSS)")
+    add_workload_args(sw)
+    add_engine_args(sw)
     add_stress_parser(sub, common)
     return document(parser)
 
@@ -135,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     argv = list(argv)
     parser = build_parser()
-    if not argv or argv[0] not in ("run", "compare", "report", "stress", "-h", "--help"):
+    if not argv or argv[0] not in ("run", "compare", "report", "stress", "sweep", "-h", "--help"):
         argv = ["run", *argv]  # `conveyor bench` alone means `conveyor bench run`
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.WARNING),
@@ -154,6 +169,8 @@ def main(argv: list[str]) -> int:
     try:
         if args.command == "compare":
             return cmd_compare(args, argv)
+        if args.command == "sweep":
+            return cmd_sweep(args)
         return cmd_run(args)
     except ValueError as e:
         print(f"conveyor bench: error: {e}", file=sys.stderr)
@@ -232,6 +249,24 @@ def cmd_compare(args: argparse.Namespace, argv: list[str]) -> int:
     print(path.read_text().split("## The seed's claims, tested")[0])
     print(f"report written to {path}")
     return 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from conveyor.bench.sweep import SweepSpec, parse_knob, run_sweep, write
+    from conveyor.engine.llm_engine import LLMEngine
+
+    knobs = dict(parse_knob(k) for k in args.knob)
+    spec = SweepSpec(knobs=knobs, workload=workload_from_args(args), concurrency=args.concurrency,
+                     request_rate=args.request_rate, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
+                     timeout_s=args.timeout)
+    base = lab_engine_config(args)
+    engine = LLMEngine(base)
+    results = run_sweep(engine, base, spec, progress=args.progress)
+    out_dir = args.out_dir or Path("bench-results") / time.strftime("sweep-%Y%m%d-%H%M%S")
+    paths = write(results, out_dir)
+    print(paths[1].read_text())
+    print("written: " + ", ".join(str(p) for p in paths))
+    return 0 if any(p["result"] for p in results["points"]) else 1
 
 
 def cmd_report(args: argparse.Namespace) -> int:

@@ -115,8 +115,29 @@ class ModelRunner:
                  self.packed_linears, torch.get_num_threads(), "yes" if self.batch_invariant else "no")
         # KV storage: the model's dtype, or int8 with an fp16 scale per token and head (attention.py)
         self.kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else self.dtype
-        self.num_blocks = self._num_blocks(config)
         self._pool_buffers: list[mmap.mmap] = []
+        self.allocate_kv_cache(config)
+        # seconds of the last execute() in (prepare inputs, model forward, LM head, sampling); on CUDA the
+        # forward is asynchronous, so its time lands in sampling, which waits for it
+        self.last_phases: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+        self.last_prompt_logprobs: dict[str, list[dict[int, float]]] = {}  # of the last execute()
+
+    def kv_pool_key(self, config: EngineConfig) -> tuple:
+        """What the pool's size and layout depend on: the lab compares it to decide whether a new
+        configuration needs a new pool."""
+        return (config.block_size, config.num_kv_blocks, config.kv_cache_memory, config.gpu_memory_utilization,
+                config.kv_cache_memory_fraction, config.max_num_batched_tokens if config.gpu_memory_utilization
+                else None, config.max_num_seqs if config.gpu_memory_utilization else None)
+
+    def allocate_kv_cache(self, config: EngineConfig) -> None:
+        """(Re)build the KV pool for `config`'s block size and memory budget. Called once at startup,
+        and by the knob lab between runs (`LLMEngine.reset`), after the old pool is dropped."""
+        cfg = self.model_config
+        self.kv_caches = []
+        self._pool_buffers = []  # unmapped once the old tensors are gone
+        self.block_size = config.block_size
+        self.num_blocks = self._num_blocks(config)
+        self.pool_key = self.kv_pool_key(config)
         k_shape, v_shape = cache_shapes(self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         s_shape = scale_shape(self.num_blocks, self.block_size, cfg.num_kv_heads)
         if self.kv_dtype == torch.int8:
@@ -129,10 +150,6 @@ class ModelRunner:
         log.info("KV cache: %s, %d blocks of %d tokens = %d tokens (%.2f GiB)", self.kv_dtype_name,
                  self.num_blocks, self.block_size, self.num_blocks * self.block_size,
                  self.num_blocks * self.bytes_per_block / 2**30)
-        # seconds of the last execute() in (prepare inputs, model forward, LM head, sampling); on CUDA the
-        # forward is asynchronous, so its time lands in sampling, which waits for it
-        self.last_phases: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
-        self.last_prompt_logprobs: dict[str, list[dict[int, float]]] = {}  # of the last execute()
 
     @property
     def kv_dtype_name(self) -> str:
