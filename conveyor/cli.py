@@ -140,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
         from conveyor.bench.cli import main as bench_main
 
         return bench_main(argv[1:])
+    if argv and argv[0] == "tune":
+        from conveyor.bench.cli import main as bench_main
+
+        return bench_main(argv)
     parser = argparse.ArgumentParser(prog="conveyor", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -159,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
 
     add_server_args(serve)
     sub.add_parser("bench", help="the batching lab (see `conveyor bench --help`)")
+    sub.add_parser("tune", help="find the knobs with the best goodput under a latency SLO (see `conveyor tune --help`)")
 
     args = document(parser).parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.WARNING),

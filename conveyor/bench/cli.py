@@ -144,13 +144,31 @@ def build_parser() -> argparse.ArgumentParser:
     add_workload_args(sw)
     add_engine_args(sw)
     add_stress_parser(sub, common)
+    tu = sub.add_parser("tune", parents=[common], help="search max_num_seqs, max_num_batched_tokens and the strategy "
+                        "for the highest goodput under a TTFT/TPOT SLO (also `conveyor tune`)")
+    tu_loop = tu.add_mutually_exclusive_group()
+    tu_loop.add_argument("--concurrency", type=int, default=None, help="closed loop: requests in flight")
+    tu_loop.add_argument("--request-rate", type=_rate, default=float("inf"),
+                         help="open loop: Poisson arrivals per second (default inf: all at once)")
+    tu.add_argument("--slo-attainment", type=float, default=0.9,
+                    help="the share of requests that must meet both SLOs for a configuration to meet the SLO")
+    tu.add_argument("--time-budget", type=float, default=900.0,
+                    help="seconds after which no new configuration is started")
+    tu.add_argument("--results", type=Path, default=None,
+                    help="JSON-lines file of measured points, appended as they come; a rerun with the same file "
+                         "and workload resumes (default: bench-results/tune-<workload hash>.jsonl)")
+    tu.add_argument("--strategies", default="iteration,continuous", help="strategies to search")
+    tu.add_argument("--seqs", default="16,64,256", help="max_num_seqs values of the coarse grid")
+    tu.add_argument("--tokens", default="512,2048,8192", help="max_num_batched_tokens values of the coarse grid")
+    add_workload_args(tu)
+    add_engine_args(tu)
     return document(parser)
 
 
 def main(argv: list[str]) -> int:
     argv = list(argv)
     parser = build_parser()
-    if not argv or argv[0] not in ("run", "compare", "report", "stress", "sweep", "-h", "--help"):
+    if not argv or argv[0] not in ("run", "compare", "report", "stress", "sweep", "tune", "-h", "--help"):
         argv = ["run", *argv]  # `conveyor bench` alone means `conveyor bench run`
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.WARNING),
@@ -171,6 +189,8 @@ def main(argv: list[str]) -> int:
             return cmd_compare(args, argv)
         if args.command == "sweep":
             return cmd_sweep(args)
+        if args.command == "tune":
+            return cmd_tune(args)
         return cmd_run(args)
     except ValueError as e:
         print(f"conveyor bench: error: {e}", file=sys.stderr)
@@ -267,6 +287,47 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     print(paths[1].read_text())
     print("written: " + ", ".join(str(p) for p in paths))
     return 0 if any(p["result"] for p in results["points"]) else 1
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    import hashlib
+
+    from conveyor.bench.tune import Tuner, TuneSpec, format_answer
+    from conveyor.engine.llm_engine import LLMEngine
+
+    if args.slo_ttft_ms is None or args.slo_tpot_ms is None:
+        raise ValueError("conveyor tune needs both --slo-ttft-ms and --slo-tpot-ms")
+    ints = lambda text: tuple(int(x) for x in text.split(",") if x.strip())
+    spec = TuneSpec(slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, workload=workload_from_args(args),
+                    concurrency=args.concurrency, request_rate=args.request_rate, slo_attainment=args.slo_attainment,
+                    strategies=tuple(s.strip() for s in args.strategies.split(",") if s.strip()),
+                    seqs=ints(args.seqs), tokens=ints(args.tokens), time_budget_s=args.time_budget,
+                    timeout_s=args.timeout)
+    base = lab_engine_config(args)
+    # resuming is only right for the same model, workload, load and SLO: the file name says which
+    what = json.dumps([base.model, base.dtype, vars(spec.workload), spec.concurrency, str(spec.request_rate),
+                       spec.slo_ttft_ms, spec.slo_tpot_ms, spec.slo_attainment], default=str)
+    results = args.results or Path("bench-results") / f"tune-{hashlib.sha256(what.encode()).hexdigest()[:10]}.jsonl"
+    results.parent.mkdir(parents=True, exist_ok=True)
+    engine = LLMEngine(base)
+    ans = Tuner(engine, base, spec, results, progress=args.progress).run()
+    print(format_answer(ans, spec, serve_flags(base)))
+    print(f"measured points: {results}")
+    return 0 if ans["best"] is not None else 1
+
+
+def serve_flags(base) -> list[str]:
+    """The engine flags that differ from the defaults, as `conveyor serve` takes them."""
+    from conveyor.config import EngineConfig
+
+    defaults = EngineConfig()
+    out = ["--model", base.model]
+    for name in ("dtype", "device", "block_size", "kv_cache_memory", "gpu_memory_utilization", "max_model_len",
+                 "quantization", "kv_cache_dtype", "threads"):
+        value = getattr(base, name)
+        if value is not None and value != getattr(defaults, name):
+            out += ["--" + name.replace("_", "-"), str(value)]
+    return out
 
 
 def cmd_report(args: argparse.Namespace) -> int:
