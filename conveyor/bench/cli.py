@@ -290,9 +290,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    import hashlib
-
-    from conveyor.bench.tune import Tuner, TuneSpec, format_answer
+    from conveyor.bench.tune import Tuner, TuneSpec, fingerprint, format_answer
     from conveyor.engine.llm_engine import LLMEngine
 
     if args.slo_ttft_ms is None or args.slo_tpot_ms is None:
@@ -304,10 +302,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
                     seqs=ints(args.seqs), tokens=ints(args.tokens), time_budget_s=args.time_budget,
                     timeout_s=args.timeout)
     base = lab_engine_config(args)
-    # resuming is only right for the same model, workload, load and SLO: the file name says which
-    what = json.dumps([base.model, base.dtype, vars(spec.workload), spec.concurrency, str(spec.request_rate),
-                       spec.slo_ttft_ms, spec.slo_tpot_ms, spec.slo_attainment], default=str)
-    results = args.results or Path("bench-results") / f"tune-{hashlib.sha256(what.encode()).hexdigest()[:10]}.jsonl"
+    results = args.results or Path("bench-results") / f"tune-{fingerprint(base, spec)[:10]}.jsonl"
     results.parent.mkdir(parents=True, exist_ok=True)
     engine = LLMEngine(base)
     ans = Tuner(engine, base, spec, results, progress=args.progress).run()

@@ -276,7 +276,7 @@ class StormResult:
     cut_mid_stream: int
     cut_in_prefill: int
     finished_before_cut: int
-    refused: int  # answered with an error status (429 when the queue is full) before any cut
+    refused: dict[str, int]  # statuses other than 200 answered before any cut (429: the queue was full)
     good_requests: int
     good_failures: list[str]
     after: dict[str, float]
@@ -288,6 +288,9 @@ class StormResult:
             out.append(f"{len(self.good_failures)} well-behaved requests failed, first: {self.good_failures[0]}")
         if not self.good_requests:
             out.append("the well-behaved clients completed nothing")
+        bad = {k: v for k, v in self.refused.items() if k != "429"}
+        if bad:
+            out.append(f"cut requests were answered with statuses other than 200 and 429: {bad}")
         if any(v != 0 for v in self.after.values()):
             out.append(f"not idle afterwards: {self.after}")
         return out
@@ -303,6 +306,7 @@ async def disconnect_storm(url: str, *, cuts: int = 300, concurrency: int = 48, 
     `good_max_tokens` tokens, finish_reason "length" and [DONE]; afterwards nothing runs or waits
     and no KV block is used."""
     counts: Counter[str] = Counter()
+    refused: Counter[str] = Counter()
     good: dict = {"ok": 0, "failures": []}
     async with new_client(url, api_key) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
@@ -338,7 +342,7 @@ async def disconnect_storm(url: str, *, cuts: int = 300, concurrency: int = 48, 
                 nonlocal chunks
                 async with client.stream("POST", "/v1/completions", json=body) as resp:
                     if resp.status_code != 200:
-                        counts["refused"] += 1
+                        refused[str(resp.status_code)] += 1
                         chunks = -1
                         return
                     async for line in resp.aiter_lines():
@@ -376,7 +380,7 @@ async def disconnect_storm(url: str, *, cuts: int = 300, concurrency: int = 48, 
         aborted = await aborts(client) - before
     return StormResult(cuts=cuts, cut_before_first_token=counts["before"], cut_mid_stream=counts["mid"],
                        cut_in_prefill=counts["prefill"], finished_before_cut=counts["finished"],
-                       refused=counts["refused"],
+                       refused=dict(refused),
                        good_requests=good["ok"], good_failures=good["failures"], after=idle_gauges(after),
                        aborted=aborted)
 
@@ -417,10 +421,11 @@ async def soak(url: str, *, duration_s: float = 1200.0, warmup_s: float | None =
                rss_every_s: float = 10.0, max_tokens: tuple[int, int] = (16, 96),
                prompt_words: tuple[int, int] = (4, 40), api_key: str | None = None,
                pid: int | None = None, seed: int = 0) -> SoakResult:
-    """`clients` closed-loop clients send a mix for `duration_s`: plain and streamed completions, chat
-    streams, n=2, shared system prompts (prefix-cache hits), logprobs, and one in ten streams cut
-    early. RSS is sampled every `rss_every_s`; after the warm-up (default: a third of the run) it
-    must stay within 5% of its first post-warm-up sample. Every request that was not cut must succeed."""
+    """`clients` closed-loop clients send a mix for `duration_s`, each kind a seventh of the requests:
+    plain and streamed completions, chat streams, n=2, chat streams under shared system prompts
+    (prefix-cache hits), logprobs, and streams cut after a random number of chunks. RSS is sampled
+    every `rss_every_s`; after the warm-up (default: a third of the run) it must stay within 5% of
+    its first post-warm-up sample. Every request that was not cut must succeed."""
     warmup_s = duration_s / 3 if warmup_s is None else warmup_s
     failures: list[str] = []
     done = Counter()
@@ -447,6 +452,9 @@ async def soak(url: str, *, duration_s: float = 1200.0, warmup_s: float | None =
             if kind == "cut":
                 try:
                     async with client.stream("POST", "/v1/completions", json=body) as resp:
+                        if resp.status_code != 200:
+                            failures.append(f"cut: status {resp.status_code}")
+                            return
                         async for line in resp.aiter_lines():
                             if line.startswith("data: ") and r.random() < 0.2:
                                 break

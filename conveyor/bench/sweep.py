@@ -8,7 +8,7 @@ The model is loaded once. Before each point the engine is reset to that point's 
 fresh KV pool; so every point starts cold, with the same weights, the same requests (same seed)
 and the same arrival times. Each point reports what `conveyor bench run` reports (throughput,
 TTFT/TPOT/E2E percentiles, peak KV use, KV waste, preemptions, MFU, goodput under the SLO) plus
-the KV pool it had and the process's peak RSS. Points that cannot run (a pool too small for one
+the KV pool it had and the process's RSS after it. Points that cannot run (a pool too small for one
 max_model_len sequence, say) are reported with their error, not dropped.
 """
 
@@ -76,7 +76,7 @@ class SweepPoint:
     result: dict | None  # a RunResult as JSON (without per-request records), None when the point failed
     num_kv_blocks: int | None = None
     block_size: int | None = None
-    peak_rss_gib: float | None = None
+    rss_gib: float | None = None
     error: str | None = None
 
 
@@ -145,7 +145,7 @@ def row(point: dict) -> dict:
             "e2e_p99_s": (r.get("e2e_s") or {}).get("p99"), "goodput_req_s": r["goodput"]["requests_per_s"],
             "peak_kv": e["peak_kv_usage"], "kv_waste": e["kv_waste_paged"], "preemptions": e["num_preemptions"],
             "mean_batch": e["mean_batch_size"], "mfu": u["mfu"], "num_kv_blocks": point["num_kv_blocks"],
-            "peak_rss_gib": point["peak_rss_gib"], "failed": r["failed"]}
+            "rss_gib": point["rss_gib"], "failed": r["failed"]}
 
 
 def report(results: dict) -> str:
@@ -155,7 +155,7 @@ def report(results: dict) -> str:
             ("TPOT p99 ms", "tpot_p99_ms", "{:.1f}"), ("peak KV", "peak_kv", "{:.0%}"),
             ("KV waste", "kv_waste", "{:.1%}"), ("preempt", "preemptions", "{:.0f}"),
             ("mean batch", "mean_batch", "{:.1f}"), ("MFU", "mfu", "{:.1%}"), ("KV blocks", "num_kv_blocks", "{}"),
-            ("RSS GiB", "peak_rss_gib", "{:.2f}")]
+            ("RSS GiB", "rss_gib", "{:.2f}")]
     names = list(results["spec"]["knobs"])
     lines = ["| " + " | ".join(names + [c[0] for c in cols]) + " |", "|" + "---|" * (len(names) + len(cols))]
     for p in results["points"]:

@@ -102,14 +102,19 @@ class Tuner:
         self.engine, self.base, self.spec, self.results_file = engine, base, spec, results_file
         self.progress = progress
         self.points: dict[str, Point] = {}
-        if results_file.exists():
-            for line in results_file.read_text().splitlines():
-                if line.strip():
-                    d = json.loads(line)
-                    d["slo_attainment_required"] = spec.slo_attainment
-                    p = Point(**d)
-                    self.points[key(p.knobs, p.stage)] = p
+        self.fingerprint = fingerprint(base, spec)
+        if results_file.exists() and results_file.stat().st_size:
+            lines = [json.loads(line) for line in results_file.read_text().splitlines() if line.strip()]
+            if not lines or lines[0].get("fingerprint") != self.fingerprint:
+                raise ValueError(f"{results_file} holds points of another model, engine, workload, load or SLO; "
+                                 "give a new --results file")
+            for d in lines[1:]:
+                d["slo_attainment_required"] = spec.slo_attainment
+                p = Point(**d)
+                self.points[key(p.knobs, p.stage)] = p
             log.info("resuming: %d points already measured in %s", len(self.points), results_file)
+        else:
+            results_file.write_text(json.dumps({"fingerprint": self.fingerprint}) + "\n")
         self.flop_model = FlopModel.from_config(engine.model_config)
         vocab = engine.model_config.vocab_size
         self.full_requests = generate(spec.workload, vocab, engine.max_model_len)
@@ -139,7 +144,11 @@ class Tuner:
         s = self.spec
         load = LoadPattern(concurrency=s.concurrency, request_rate=s.request_rate, seed=s.workload.seed,
                            timeout_s=s.timeout_s)
-        self.engine.reset(self.config(knobs))
+        try:
+            self.engine.reset(self.config(knobs))
+        except ValueError as e:  # this configuration cannot run here: say so, go on with the others
+            log.warning("%s cannot run: %s", knobs, e)
+            return None
         backend = EngineBackend(self.engine)
         res = run_on_this_thread(backend, functools.partial(
             run_once, backend, requests, load, flop_model=self.flop_model, peak_flops=self.peak,
@@ -199,7 +208,8 @@ class Tuner:
                     full.append(p)
             best = self.best(full)
             if best is not None:  # refine around the best: half and double each knob
-                extra = [k for k in self.neighbours(best.knobs) if key(k, "full") not in self.points]
+                done = [p.knobs for p in full]
+                extra = [k for k in self.neighbours(best.knobs) if k not in done]
                 bar.total += len(extra)
                 for knobs in extra:
                     p = self.measure(knobs, "full", bar)
@@ -221,6 +231,18 @@ class Tuner:
         return {"best": best, "meets_slo": bool(best and best.meets), "default": default, "pareto": front,
                 "full": sorted(full, key=Point.score, reverse=True), "measured": len(self.points),
                 "skipped_for_time": self.skipped_for_time, "elapsed_s": time.monotonic() - self.t0}
+
+
+def fingerprint(base: EngineConfig, spec: TuneSpec) -> str:
+    """What a results file's points depend on besides the searched knobs: resuming is only right
+    when all of it is the same."""
+    import hashlib
+    from dataclasses import asdict
+
+    engine = {k: v for k, v in asdict(base).items() if k not in ("scheduler", "max_num_seqs", "max_num_batched_tokens")}
+    what = json.dumps([engine, asdict(spec.workload), spec.concurrency, str(spec.request_rate), spec.slo_ttft_ms,
+                       spec.slo_tpot_ms, spec.slo_attainment, spec.short_fraction], sort_keys=True, default=str)
+    return hashlib.sha256(what.encode()).hexdigest()[:16]
 
 
 def pareto(points: list[Point]) -> list[Point]:

@@ -196,19 +196,18 @@ class LLMEngine:
         clearing: every slot is written before it is read. Counters start from zero."""
         if getattr(self, "scheduler", None) is not None and self.has_unfinished_requests():
             raise RuntimeError("cannot reset an engine that still has requests")
-        if config is not None:
-            self.config = config
-        config = self.config
+        config = config if config is not None else self.config
         if self.runner.pool_key != self.runner.kv_pool_key(config):  # the knob lab: another block size or budget
             if self.draft is not None:
                 raise ValueError("a speculative draft's KV pool cannot be resized: keep block_size and memory fixed")
-            self.runner.allocate_kv_cache(config)
-            if self.runner.num_blocks * config.block_size < self.max_model_len:
-                raise ValueError(f"this KV pool ({self.runner.num_blocks} blocks of {config.block_size}) cannot hold "
-                                 f"one max_model_len ({self.max_model_len}) sequence")
+            self.runner.allocate_kv_cache(config)  # raises (leaving no pool, rebuilt next time) if it cannot
             r = self.runner
             self.info = dataclasses.replace(self.info, block_size=r.block_size, num_kv_blocks=r.num_blocks,
                                             bytes_per_block=r.bytes_per_block)
+        if self.runner.num_blocks * config.block_size < self.max_model_len:
+            raise ValueError(f"this KV pool ({self.runner.num_blocks} blocks of {config.block_size}) cannot hold "
+                             f"one max_model_len ({self.max_model_len}) sequence")
+        self.config = config
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, make_policy(config), self.max_model_len)
         self.total_prompt_tokens = 0

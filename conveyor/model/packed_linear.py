@@ -70,7 +70,8 @@ def padded_rows(m: int, multiple: int = 1) -> int:
     server's RSS climbed by hundreds of MB under load before the caches filled (measured: 0.40 GB
     idle to 1.08 GB after 2.5 minutes of mixed load on the tiny test model). With buckets the row
     counts a server ever sees are bounded (about 90 up to 8,192 rows), each is compiled once, and
-    the price is at most 12.5% padding rows (6% on average) in steps of more than 64 rows.
+    the price is at most 12.5% padding rows (6% on average) in steps of more than 64 rows (more
+    where the batch-invariance multiple is larger than the bucket step, as AMX's 16 may be).
     """
     if m > EXACT_ROWS:
         step = 1 << (m.bit_length() - ROW_BUCKETS_PER_OCTAVE.bit_length())  # 2^(floor(log2 m) - 3)
@@ -89,26 +90,27 @@ def _row_multiple(k: int, n: int, dtype: torch.dtype) -> int | None:
     computed alone (M=1) or as the last row of an odd M rounds differently from the same row among an
     even number of rows. Padding M up to a multiple of 2 (one zero row) makes every row take the main
     path. Other CPUs (AMX tiles of 16 rows, say) may need a larger multiple, so this measures, once per
-    shape with random data on the machine it runs on: for each candidate multiple, every row alone and
-    every prefix of a 64-row batch, padded, must match the full 64-row call bit for bit.
+    shape with random data on the machine it runs on: for each candidate multiple, each of 64 rows
+    alone and prefixes of up to 143 rows, padded as `forward` pads them, must match a 160-row call
+    bit for bit.
     """
     key = (k, n, dtype)
     if key not in _ROW_MULTIPLE:
         g = torch.Generator().manual_seed(0)
         packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k, generator=g).to(dtype), None)
-        x = torch.randn(64, k, generator=g).to(dtype)
+        x = torch.randn(160, k, generator=g).to(dtype)  # 160: one of padded_rows' sizes
         mm = lambda a: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [None], "")
         full = mm(x)
 
         def padded(a: torch.Tensor, p: int) -> torch.Tensor:
             m = a.shape[0]
-            return mm(F.pad(a, (0, 0, 0, (p - m % p) % p)))[:m]
+            return mm(F.pad(a, (0, 0, 0, padded_rows(m, p) - m)))[:m]
 
         _ROW_MULTIPLE[key] = None
         for p in (1, 2, 4, 8, 16, 32, 64):
-            alone = torch.cat([padded(x[i:i + 1], p) for i in range(x.shape[0])])
-            if torch.equal(alone, full) and all(torch.equal(padded(x[:m], p), full[:m])
-                                                for m in (2, 3, 5, 7, 9, 15, 17, 31, 33, 63)):
+            alone = torch.cat([padded(x[i:i + 1], p) for i in range(64)])
+            if torch.equal(alone, full[:64]) and all(torch.equal(padded(x[:m], p), full[:m])
+                                                     for m in (2, 3, 5, 7, 9, 15, 17, 31, 33, 63, 65, 100, 143)):
                 _ROW_MULTIPLE[key] = p
                 break
         if _ROW_MULTIPLE[key] is None:

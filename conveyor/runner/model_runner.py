@@ -7,6 +7,7 @@ need a next token, and samples.
 
 from __future__ import annotations
 
+import gc
 import logging
 import mmap
 import time
@@ -133,10 +134,14 @@ class ModelRunner:
         """(Re)build the KV pool for `config`'s block size and memory budget. Called once at startup,
         and by the knob lab between runs (`LLMEngine.reset`), after the old pool is dropped."""
         cfg = self.model_config
+        # drop the old pool first (its memory is not "held" when a budget is computed); if sizing the
+        # new one fails there is no pool, and pool_key None makes the next reset build one
         self.kv_caches = []
         self._pool_buffers = []  # unmapped once the old tensors are gone
-        self.block_size = config.block_size
+        self.pool_key = None
+        gc.collect()
         self.num_blocks = self._num_blocks(config)
+        self.block_size = config.block_size
         self.pool_key = self.kv_pool_key(config)
         k_shape, v_shape = cache_shapes(self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         s_shape = scale_shape(self.num_blocks, self.block_size, cfg.num_kv_heads)
@@ -179,12 +184,15 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         """K and V of every layer for one block (int8: plus the fp16 scales)."""
+        return self.block_bytes(self.block_size)
+
+    def block_bytes(self, block_size: int) -> int:
         c = self.model_config
         elem = torch.tensor([], dtype=self.kv_dtype).element_size()
         per_token_head = c.head_dim * elem
         if self.kv_dtype == torch.int8:
             per_token_head += torch.tensor([], dtype=KV_SCALE_DTYPE).element_size()
-        return 2 * c.num_layers * self.block_size * c.num_kv_heads * per_token_head
+        return 2 * c.num_layers * block_size * c.num_kv_heads * per_token_head
 
     def _num_blocks(self, config: EngineConfig) -> int:
         if config.num_kv_blocks is not None:
@@ -202,10 +210,10 @@ class ModelRunner:
         else:
             budget = min(psutil.virtual_memory().available * config.kv_cache_memory_fraction,
                          CPU_DEFAULT_KV_CAP_GIB * 2**30)
-        n = int(budget // self.bytes_per_block)
+        n = int(budget // self.block_bytes(config.block_size))
         if n < 2:
             raise ValueError(f"kv_cache_memory is too small for even two KV blocks "
-                             f"({self.bytes_per_block} bytes each)")
+                             f"({self.block_bytes(config.block_size)} bytes each)")
         return n
 
     def activation_headroom(self, config: EngineConfig) -> int:
@@ -220,17 +228,15 @@ class ModelRunner:
 
     def _kv_budget_from_utilization(self, config: EngineConfig) -> float:
         """vLLM's --gpu-memory-utilization: this engine may use `u` of the device's memory (CUDA) or of
-        the machine's RAM (CPU). The KV cache gets that minus what the process already holds (weights,
-        runtime: CUDA's allocated bytes, the process's RSS on CPU) and the activation headroom."""
+        the machine's RAM (CPU). The KV cache gets that minus what is already held (on CUDA everything
+        in use on the device, this process's or not; on CPU this process's RSS) and the activation
+        headroom. A speculative draft's weights and pool come on top (they are built after this)."""
         u = config.gpu_memory_utilization
         if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # a rebuild: the old pool's memory goes back first
             free, total = torch.cuda.mem_get_info(self.device)
-            used = torch.cuda.memory_allocated(self.device)
+            used = total - free  # this process's weights, context and cache, and whatever others hold
             where = "GPU memory"
-            if total * u > free + used:
-                raise ValueError(f"gpu_memory_utilization {u} asks for {total * u / 2**30:.2f} GiB but only "
-                                 f"{(free + used) / 2**30:.2f} GiB of the GPU's {total / 2**30:.2f} GiB are free; "
-                                 "lower it (other processes use the rest)")
         else:
             vm = psutil.virtual_memory()
             total = vm.total
@@ -241,9 +247,9 @@ class ModelRunner:
                                  f"{(vm.available + used) / 2**30:.2f} GiB are available to this process; lower it")
         headroom = self.activation_headroom(config)
         budget = total * u - used - headroom
-        if budget < 2 * self.bytes_per_block:
+        if budget < 2 * self.block_bytes(config.block_size):
             raise ValueError(f"gpu_memory_utilization {u} gives this engine {total * u / 2**30:.2f} GiB of {where}, "
-                             f"but the weights and runtime already hold {used / 2**30:.2f} GiB and a step's "
+                             f"but {used / 2**30:.2f} GiB are already in use (weights, runtime) and a step's "
                              f"activations need up to {headroom / 2**30:.2f} GiB: nothing is left for the KV "
                              "cache. Raise it, or give --kv-cache-memory in GiB")
         log.info("--gpu-memory-utilization %.2f: %.2f GiB of %s, %.2f GiB held already, %.2f GiB for activations: "

@@ -33,7 +33,16 @@ def test_time_budget_stops_new_points(tiny_llama, tmp_path, capsys):
     assert bench_main(["tune", "--model", str(tiny_llama), "--results", str(results), "--time-budget", "0",
                        *ARGS]) == 1
     assert "nothing was measured" in capsys.readouterr().out
-    assert not results.exists() or results.read_text() == ""
+    assert len(results.read_text().splitlines()) == 1  # the fingerprint header, no point
+
+
+def test_results_of_another_workload_are_not_resumed(tiny_llama, tmp_path, capsys):
+    results = tmp_path / "tune.jsonl"
+    assert bench_main(["tune", "--model", str(tiny_llama), "--results", str(results), "--time-budget", "0",
+                       *ARGS]) == 1
+    other = [a if a != "12" else "16" for a in ARGS]  # --num-prompts 16
+    assert bench_main(["tune", "--model", str(tiny_llama), "--results", str(results), *other]) == 2
+    assert "another model, engine, workload" in capsys.readouterr().err
 
 
 def _p(tok: float, ttft: float) -> Point:

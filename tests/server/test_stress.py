@@ -72,16 +72,16 @@ def test_disconnect_storm_leaves_nothing_behind(tiny_llama):
         r = asyncio.run(disconnect_storm(srv.url, cuts=300, concurrency=48, good_clients=16,
                                          long_prompt_words=80))
         srv.check(r.problems())
-        assert r.refused == 0
+        assert r.refused == {}
         assert r.cut_before_first_token > 0 and r.cut_mid_stream > 0 and r.cut_in_prefill > 0
         assert r.aborted > 50, "the cuts should reach the engine and be counted as aborts"
 
 
 def test_soak_two_minutes_rss_flat(tiny_llama):
     """The suite's 2-minute soak (the 20-minute one is `conveyor bench stress soak`): a mixed load of
-    12 clients; every request that was not cut succeeds, and after a 60 s warm-up RSS grows < 5%."""
+    12 clients; every request that was not cut succeeds, and after an 80 s warm-up RSS grows < 5%."""
     with ServerProc(tiny_llama, "--max-num-seqs", "32") as srv:
-        r = asyncio.run(soak(srv.url, duration_s=120.0, warmup_s=60.0, clients=12, rss_every_s=5.0,
+        r = asyncio.run(soak(srv.url, duration_s=120.0, warmup_s=80.0, clients=12, rss_every_s=5.0,
                              max_tokens=(16, 48), pid=srv.proc.pid))
         srv.check(r.problems())
         assert r.requests > 100 and r.growth is not None
