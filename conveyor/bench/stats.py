@@ -132,3 +132,20 @@ def contiguous_waste(num_tokens: int, num_running: int, max_model_len: int) -> f
     up front (what servers without paging do, since the output length is unknown)."""
     cap = num_running * max_model_len
     return 1.0 - num_tokens / cap if cap else None
+
+
+def measure_read_bandwidth() -> float:
+    """Memory read bandwidth (bytes/s) of this machine: the best of 5 sums over 512 MiB, far past
+    the caches. The denominator of memory-bandwidth utilization."""
+    import time
+
+    import torch
+
+    a = torch.ones(2**27)
+    a.sum()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        a.sum()
+        best = min(best, time.perf_counter() - t0)
+    return a.numel() * 4 / best

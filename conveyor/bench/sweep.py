@@ -8,6 +8,8 @@ The model is loaded once. Before each point the engine is reset to that point's 
 fresh KV pool; so every point starts cold, with the same weights, the same requests (same seed)
 and the same arrival times. Each point reports what `conveyor bench run` reports (throughput,
 TTFT/TPOT/E2E percentiles, peak KV use, KV waste, preemptions, MFU, goodput under the SLO) plus
+memory-bandwidth utilization (the bytes every step must read, all weights plus each sequence's
+K and V, over the run's time and the machine's measured read bandwidth; CPU only), and
 the KV pool it had and the process's RSS after it. Points that cannot run (a pool too small for one
 max_model_len sequence, say) are reported with their error, not dropped.
 """
@@ -28,7 +30,7 @@ from conveyor.bench.compare import cpu_name, set_peak, warm_up
 from conveyor.bench.engine_backend import EngineBackend, run_on_this_thread
 from conveyor.bench.loadgen import LoadPattern
 from conveyor.bench.run import run_once
-from conveyor.bench.stats import FlopModel, measure_peak_flops
+from conveyor.bench.stats import FlopModel, measure_peak_flops, measure_read_bandwidth
 from conveyor.bench.workloads import WorkloadSpec, generate
 from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
@@ -81,7 +83,8 @@ class SweepPoint:
 
 
 def run_point(engine: LLMEngine, cfg: EngineConfig, requests, load: LoadPattern, flop_model: FlopModel,
-              peak: float, spec: SweepSpec, label: str, progress: bool) -> SweepPoint:
+              peak: float, spec: SweepSpec, label: str, progress: bool, bandwidth: float | None = None
+              ) -> SweepPoint:
     """One configuration, cold: reset the engine to it, drive the load, summarise."""
     knobs = {k: getattr(cfg, k) for k in spec.knobs}
     try:
@@ -99,9 +102,19 @@ def run_point(engine: LLMEngine, cfg: EngineConfig, requests, load: LoadPattern,
     out.pop("requests", None)
     out.pop("steps", None)
     rss = proc.memory_info().rss
+    mbu = None
+    if bandwidth and res.duration_s > 0:
+        # every step reads all the weights once, and each running sequence's K and V of its context
+        runner = engine.runner
+        weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+        weight_bytes += sum(b.numel() * b.element_size() for b in runner.model.buffers())
+        kv_per_token = runner.bytes_per_block / runner.block_size
+        steps = [s for s in backend.steps if s.num_tokens]
+        read = len(steps) * weight_bytes + kv_per_token * sum(s.logical_tokens for s in steps)
+        mbu = read / (res.duration_s * bandwidth)
     log.info("%s: %.1f output tok/s, TTFT p99 %.2fs, TPOT p50 %.1f ms, %d/%d ok", label, res.output_throughput,
              res.ttft_s.p99 or float("nan"), 1e3 * (res.tpot_s.p50 or float("nan")), res.completed, res.num_requests)
-    return SweepPoint(knobs, out, engine.runner.num_blocks, engine.runner.block_size, rss / 2**30)
+    return SweepPoint(knobs, out, engine.runner.num_blocks, engine.runner.block_size, rss / 2**30, mbu)
 
 
 def run_sweep(engine: LLMEngine, base: EngineConfig, spec: SweepSpec, progress: bool = True) -> dict:
@@ -110,6 +123,7 @@ def run_sweep(engine: LLMEngine, base: EngineConfig, spec: SweepSpec, progress: 
     requests = generate(spec.workload, engine.model_config.vocab_size, engine.max_model_len)
     warm_up(engine, base, engine.model_config.vocab_size)
     peak = measure_peak_flops(engine.runner.dtype, engine.runner.device)
+    bandwidth = measure_read_bandwidth() if engine.runner.device.type == "cpu" else None
     load = LoadPattern(concurrency=spec.concurrency, request_rate=spec.request_rate, seed=spec.workload.seed,
                        timeout_s=spec.timeout_s)
     points = spec.points()
@@ -118,13 +132,14 @@ def run_sweep(engine: LLMEngine, base: EngineConfig, spec: SweepSpec, progress: 
     for k, point in enumerate(points):
         label = f"[{k + 1}/{len(points)}] " + " ".join(f"{n}={v}" for n, v in point.items())
         out.append(asdict(run_point(engine, replace(base, **point), requests, load, flop_model, peak, spec, label,
-                                    progress)))
+                                    progress, bandwidth)))
     engine.reset(base)
     return {
         "spec": {**asdict(spec), "request_rate": "inf" if spec.request_rate == float("inf") else spec.request_rate},
         "setup": {"model": base.model, "dtype": str(engine.runner.dtype).removeprefix("torch."),
                   "device": str(engine.runner.device), "cpu": cpu_name(), "num_cpus": psutil.cpu_count(),
                   "base_config": {k: getattr(base, k) for k in SWEEPABLE}, "peak_flops_per_s": peak,
+                  "read_bandwidth_bytes_per_s": bandwidth,
                   "total_wall_s": time.monotonic() - t0,
                   "workload_tokens": {"input": sum(r.prompt_len for r in requests),
                                       "output": sum(r.max_tokens for r in requests)}},
@@ -144,8 +159,8 @@ def row(point: dict) -> dict:
             "tpot_p50_ms": ms(r["tpot_s"], "p50"), "tpot_p99_ms": ms(r["tpot_s"], "p99"),
             "e2e_p99_s": (r.get("e2e_s") or {}).get("p99"), "goodput_req_s": r["goodput"]["requests_per_s"],
             "peak_kv": e["peak_kv_usage"], "kv_waste": e["kv_waste_paged"], "preemptions": e["num_preemptions"],
-            "mean_batch": e["mean_batch_size"], "mfu": u["mfu"], "num_kv_blocks": point["num_kv_blocks"],
-            "rss_gib": point["rss_gib"], "failed": r["failed"]}
+            "mean_batch": e["mean_batch_size"], "mfu": u["mfu"], "mbu": point.get("mbu"),
+            "num_kv_blocks": point["num_kv_blocks"], "rss_gib": point.get("rss_gib"), "failed": r["failed"]}
 
 
 def report(results: dict) -> str:
@@ -154,8 +169,8 @@ def report(results: dict) -> str:
             ("TTFT p99 ms", "ttft_p99_ms", "{:.0f}"), ("TPOT p50 ms", "tpot_p50_ms", "{:.1f}"),
             ("TPOT p99 ms", "tpot_p99_ms", "{:.1f}"), ("peak KV", "peak_kv", "{:.0%}"),
             ("KV waste", "kv_waste", "{:.1%}"), ("preempt", "preemptions", "{:.0f}"),
-            ("mean batch", "mean_batch", "{:.1f}"), ("MFU", "mfu", "{:.1%}"), ("KV blocks", "num_kv_blocks", "{}"),
-            ("RSS GiB", "rss_gib", "{:.2f}")]
+            ("mean batch", "mean_batch", "{:.1f}"), ("MFU", "mfu", "{:.1%}"), ("MBU", "mbu", "{:.0%}"),
+            ("KV blocks", "num_kv_blocks", "{}"), ("RSS GiB", "rss_gib", "{:.2f}")]
     names = list(results["spec"]["knobs"])
     lines = ["| " + " | ".join(names + [c[0] for c in cols]) + " |", "|" + "---|" * (len(names) + len(cols))]
     for p in results["points"]:

@@ -27,12 +27,13 @@ def test_sweep_grid_runs_every_point_cold(tiny_llama, tmp_path):
         assert r["completed"] == 12 and r["failed"] == 0
         assert r["engine"]["block_size"] == p["knobs"]["block_size"] == p["block_size"]
         assert r["engine"]["mean_batch_size"] <= p["knobs"]["max_num_seqs"] + 1e-9
+        assert 0 < p["mbu"] < 1.5  # an estimate: bytes every step must read over time x measured bandwidth
     # same memory, 4x the block size: about a quarter of the blocks
     small, large = pts[0]["num_kv_blocks"], pts[2]["num_kv_blocks"]
     assert 3.5 < small / large < 4.5, (small, large)
     assert max(p["result"]["engine"]["mean_batch_size"] for p in pts if p["knobs"]["max_num_seqs"] == 4) > 1.5
     table = (out / "sweep.md").read_text()
-    assert table.count("\n| ") == 4 and "output tok/s" in table
+    assert table.count("\n| ") == 4 and "output tok/s" in table and "MBU" in table
 
 
 def test_one_knob_sweep_plots_and_reports_points_that_cannot_run(tiny_llama, tmp_path):
