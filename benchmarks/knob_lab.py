@@ -173,8 +173,9 @@ def why(sweeps: dict[str, dict]) -> list[str]:
         each = ", ".join(f"{k}: {v['output_tok_s']:.0f}" for k, v in sorted(b.items()))
         out.append("- **block_size**: waste is the unfilled tail of each sequence's last block, about half a "
                    "block per sequence, so it halves with the block size. Throughput is another matter "
-                   f"(output tok/s by block size: {each}): smaller blocks probably cost through more, shorter pieces for the "
-                   "attention kernel to gather and more block-table work per step (not profiled), so the smallest size "
+                   f"(output tok/s by block size: {each}): smaller blocks probably cost through more, "
+                   "shorter pieces for the attention kernel to gather and more block-table work per step "
+                   "(not profiled), so the smallest size "
                    "costs speed for the memory it saves.")
     return out
 
