@@ -132,15 +132,8 @@ def gemm_rates(cfg) -> dict[int, float]:
 
 
 def read_bandwidth() -> float:
-    import torch
-    a = torch.ones(2**27)  # 512 MiB: far past the caches
-    a.sum()
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        a.sum()
-        best = min(best, time.perf_counter() - t0)
-    return a.numel() * 4 / best
+    from conveyor.bench.stats import measure_read_bandwidth
+    return measure_read_bandwidth()
 
 
 def main() -> int:

@@ -184,38 +184,34 @@ class Tuner:
                     out.append({**knobs, name: v})
         return out
 
+    def measure_all(self, configs: list[dict], stage: str, bar: tqdm) -> list[Point]:
+        """Measure each configuration (cached ones come from the results file); skipped ones are left out."""
+        out = []
+        for knobs in configs:
+            p = self.measure(knobs, stage, bar)
+            bar.update(1)
+            if p is not None:
+                out.append(p)
+        return out
+
     def run(self) -> dict:
         grid = self.grid()
         default = knobs_of(self.base)
         with tqdm(total=len(grid), desc="short runs", unit="cfg", disable=not self.progress) as bar:
-            short = []
-            for knobs in grid:
-                p = self.measure(knobs, "short", bar)
-                bar.update(1)
-                if p is not None:
-                    short.append(p)
+            short = self.measure_all(grid, "short", bar)
         short.sort(key=Point.score, reverse=True)
         keep = short[:max(1, math.ceil(len(short) * self.spec.keep_fraction))]
         finalists = [p.knobs for p in keep]
         if default not in finalists:
             finalists.append(default)
         with tqdm(total=len(finalists), desc="full runs", unit="cfg", disable=not self.progress) as bar:
-            full = []
-            for knobs in finalists:
-                p = self.measure(knobs, "full", bar)
-                bar.update(1)
-                if p is not None:
-                    full.append(p)
+            full = self.measure_all(finalists, "full", bar)
             best = self.best(full)
             if best is not None:  # refine around the best: half and double each knob
                 done = [p.knobs for p in full]
                 extra = [k for k in self.neighbours(best.knobs) if k not in done]
                 bar.total += len(extra)
-                for knobs in extra:
-                    p = self.measure(knobs, "full", bar)
-                    bar.update(1)
-                    if p is not None:
-                        full.append(p)
+                full += self.measure_all(extra, "full", bar)
         return self.answer(full)
 
     def best(self, full: list[Point]) -> Point | None:
