@@ -79,6 +79,7 @@ class SweepPoint:
     num_kv_blocks: int | None = None
     block_size: int | None = None
     rss_gib: float | None = None
+    mbu: float | None = None  # memory-bandwidth utilization: bytes the steps had to read / (time x bandwidth)
     error: str | None = None
 
 
@@ -114,7 +115,7 @@ def run_point(engine: LLMEngine, cfg: EngineConfig, requests, load: LoadPattern,
         mbu = read / (res.duration_s * bandwidth)
     log.info("%s: %.1f output tok/s, TTFT p99 %.2fs, TPOT p50 %.1f ms, %d/%d ok", label, res.output_throughput,
              res.ttft_s.p99 or float("nan"), 1e3 * (res.tpot_s.p50 or float("nan")), res.completed, res.num_requests)
-    return SweepPoint(knobs, out, engine.runner.num_blocks, engine.runner.block_size, rss / 2**30, mbu)
+    return SweepPoint(knobs, out, engine.runner.num_blocks, engine.runner.block_size, rss_gib=rss / 2**30, mbu=mbu)
 
 
 def run_sweep(engine: LLMEngine, base: EngineConfig, spec: SweepSpec, progress: bool = True) -> dict:
