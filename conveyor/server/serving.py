@@ -119,9 +119,15 @@ class SSEResponse(StreamingResponse):
             self.on_close()
 
 
+# SSE breaks lines only at CR and LF, but many clients split a stream with str.splitlines() (httpx's
+# aiter_lines among them), which also breaks at U+0085, U+2028 and U+2029: a token holding one of them
+# cut its chunk in two. JSON may escape any character, so these three are always sent escaped.
+_UNICODE_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def _sse(obj: BaseModel | dict) -> str:
     body = obj.model_dump_json(exclude_unset=False) if isinstance(obj, BaseModel) else json.dumps(obj)
-    return f"data: {body}\n\n"
+    return f"data: {body.translate(_UNICODE_LINE_BREAKS)}\n\n"
 
 
 async def _wait_disconnect(request: Request) -> None:
