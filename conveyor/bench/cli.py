@@ -129,6 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", parents=[common], help="rewrite a comparison's report from its results.json")
     rep.add_argument("results", type=Path, help="the results.json that `bench compare` wrote")
     rep.add_argument("--out-dir", type=Path, default=None, help="default: the results file's directory")
+    rp = sub.add_parser("replay", parents=[common],
+                        help="play a comparison's recorded steps in the live dashboard's views, side by side")
+    rp.add_argument("results", type=Path, help="the results.json that `bench compare` wrote (e.g. docs/lab)")
+    rp.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    rp.add_argument("--port", type=int, default=8001, help="port to listen on")
     sw = sub.add_parser("sweep", parents=[common],
                         help="one engine knob (or a grid) over a range, same requests each point; a table and plots")
     sw.add_argument("--knob", action="append", required=True, metavar="NAME=V1,V2,...",
@@ -165,10 +170,25 @@ def build_parser() -> argparse.ArgumentParser:
     return document(parser)
 
 
+def cmd_replay(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from conveyor.bench.replay import build_replay_app
+
+    try:
+        app = build_replay_app(str(args.results))
+    except (OSError, ValueError) as e:
+        print(f"conveyor bench: error: {e}", file=sys.stderr)
+        return 2
+    print(f"open http://{args.host}:{args.port}/dashboard/compare (one strategy: /dashboard?replay=NAME)")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     argv = list(argv)
     parser = build_parser()
-    if not argv or argv[0] not in ("run", "compare", "report", "stress", "sweep", "tune", "-h", "--help"):
+    if not argv or argv[0] not in ("run", "compare", "report", "replay", "stress", "sweep", "tune", "-h", "--help"):
         argv = ["run", *argv]  # `conveyor bench` alone means `conveyor bench run`
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.WARNING),
@@ -177,6 +197,8 @@ def main(argv: list[str]) -> int:
         return cmd_report(args)
     if args.command == "stress":
         return cmd_stress(args)
+    if args.command == "replay":
+        return cmd_replay(args)
     if args.threads is not None:
         import torch
 
@@ -268,6 +290,7 @@ def cmd_compare(args: argparse.Namespace, argv: list[str]) -> int:
     path = write_report(data, out_dir, command)
     print(path.read_text().split("## The seed's claims, tested")[0])
     print(f"report written to {path}")
+    print(f"watch the runs in the live dashboard's views: conveyor bench replay {out_dir / 'results.json'}")
     return 0
 
 
@@ -333,4 +356,5 @@ def cmd_report(args: argparse.Namespace) -> int:
     data = CompareResults.from_json(json.loads(args.results.read_text()))
     path = write_report(data, args.out_dir or args.results.parent, data.command or "(unknown command)")
     print(f"report written to {path}")
+    print(f"watch the runs in the live dashboard's views: conveyor bench replay {path.parent / 'results.json'}")
     return 0

@@ -48,11 +48,13 @@ async def run_once(backend: Backend, requests: list[BenchRequest], load: LoadPat
 
 
 def compact_steps(steps: list[StepStats], t0: float) -> list[dict]:
-    """Each step as {t: start (s after the run began), d: duration, ids: request indices, tok, pf}."""
+    """Each step as {t: start (s after the run began), d: duration, ids: request indices, tok, pf, ...};
+    rt / rp / pre: each request's tokens, whether they were prompt, and who was preempted (the replay)."""
     return [{"t": round(s.start - t0, 6), "d": round(s.end - s.start, 6), "tok": s.num_tokens,
              "pf": s.num_prefill_tokens, "ids": [_index(r) for r in s.request_ids],
              "kv_blocks": s.kv_used_blocks, "kv_slots": s.kv_used_slots, "running": s.num_running,
-             "context_tokens": s.logical_tokens}
+             "context_tokens": s.logical_tokens, "waiting": s.num_waiting, "rt": s.request_tokens,
+             "rp": [int(p) for p in s.request_prefill], "pre": [_index(r) for r in s.preempted_ids]}
             for s in steps]
 
 

@@ -9,7 +9,7 @@ loop, wherever it runs:
   vLLM runs its engine core: the HTTP side's Python (JSON, SSE, tokenization) no longer shares a
   GIL with the engine's.
 
-Commands: `AddRequest`, `AbortRequest`, `EndInput`, `Stop`. After each step (and after commands
+Commands: `AddRequest`, `AbortRequest`, `EndInput`, `SnapshotKV`, `Stop`. After each step (and after commands
 that change the engine while it is idle) the loop emits one `LoopOutput`: the step's deltas and
 stats, a snapshot of the engine's counters, and any failed adds. If a step raises, the loop emits
 a last output carrying the error and ends: the engine is dead, and the client says so.
@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from conveyor.config import EngineConfig
-from conveyor.engine.llm_engine import EngineInfo, EngineSnapshot, LLMEngine, StepStats
+from conveyor.engine.llm_engine import EngineInfo, EngineSnapshot, KVMap, LLMEngine, StepStats
 from conveyor.outputs import StepDelta
 from conveyor.sampling_params import SamplingParams
 
@@ -61,11 +61,18 @@ class EndInput:
 
 
 @dataclass
+class SnapshotKV:
+    """Attach a `KVMap` of the pool to the next output (the dashboard asks a few times a second)."""
+
+    max_cells: int = 4096
+
+
+@dataclass
 class Stop:
     """Abort what is left (each sequence gets a final "abort" delta) and end the loop."""
 
 
-Command = AddRequest | AbortRequest | EndInput | Stop
+Command = AddRequest | AbortRequest | EndInput | SnapshotKV | Stop
 
 
 @dataclass
@@ -78,6 +85,7 @@ class LoopOutput:
     added: int = 0  # sequences whose add command the engine took in (counted for queue limits)
     error: str | None = None  # the engine died with this; nothing more will come
     final: bool = False  # the loop has ended
+    kv_map: KVMap | None = None  # when a `SnapshotKV` asked for one
 
 
 # --- the loop -------------------------------------------------------------------------------------
@@ -106,6 +114,8 @@ class EngineLoop:
             out.deltas.extend(e.abort_request(cmd.request_id))
         elif isinstance(cmd, EndInput):
             e.end_input()
+        elif isinstance(cmd, SnapshotKV):
+            out.kv_map = e.kv_map(cmd.max_cells)
         elif isinstance(cmd, Stop):
             out.deltas.extend(e.abort_all())
             return False

@@ -62,6 +62,9 @@ class StepStats:
     num_waiting: int = 0
     logical_tokens: int = 0  # running requests' context tokens, a shared prefix counted per request
     phases: dict[str, float] | None = None  # seconds in each of STEP_PHASES
+    request_tokens: list[int] = field(default_factory=list)  # tokens each of `request_ids` got in this step
+    request_prefill: list[bool] = field(default_factory=list)  # whether that was prompt (a chunk) or a decode
+    preempted_ids: list[str] = field(default_factory=list)  # requests this step pushed back to the queue
 
     @property
     def end(self) -> float:
@@ -95,6 +98,17 @@ class EngineSnapshot:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class KVMap:
+    """The pool's blocks as state codes (0 free, 1 cached and evictable, 2 in use, 3 shared by several
+    sequences), one byte per cell of `blocks_per_cell` blocks, plus exact totals per state."""
+
+    num_blocks: int
+    blocks_per_cell: int
+    cells: bytes
+    totals: tuple[int, int, int, int]
 
 
 @dataclass(frozen=True)
@@ -295,6 +309,8 @@ class LLMEngine:
         tg = time.perf_counter()
         result = self.runner.execute(plan.items, tables, self.kv.take_copies(), grammar)
         t2 = time.perf_counter()
+        # prompt or decode, read before the update gives a finished prompt its first output token
+        prefill = [it.num_tokens - it.num_draft > 1 or not it.request.output_token_ids for it in plan.items]
         deltas = self._update(plan, result)
         t3 = time.perf_counter()
         prepare, forward, lm_head, sample = self.runner.last_phases
@@ -303,7 +319,7 @@ class LLMEngine:
                   "update": t3 - t2 - self._grammar_update_s + max(t2 - tg - prepare - forward - lm_head - sample, 0.0)}
         for k, v in phases.items():
             self.phase_seconds[k] += v
-        stats = self._stats(plan, start, phases) if plan.items else None
+        stats = self._stats(plan, start, phases, prefill) if plan.items else None
         return StepOutput(deltas, stats)
 
     def _update(self, plan: Step, result) -> list[StepDelta]:
@@ -439,7 +455,7 @@ class LLMEngine:
         for r, g in guesses:
             r.spec_token_ids = g
 
-    def _stats(self, plan: Step, start: float, phases: dict[str, float]) -> StepStats:
+    def _stats(self, plan: Step, start: float, phases: dict[str, float], prefill: list[bool]) -> StepStats:
         bs = self.config.block_size
         tables = self.kv.block_tables
         # empty slots = the unfilled tail of each request's last block; shared full blocks waste nothing
@@ -451,6 +467,9 @@ class LLMEngine:
             num_seqs=len(plan.items), num_tokens=plan.num_tokens,
             num_prefill_tokens=sum(it.num_tokens for it in plan.items if it.num_tokens - it.num_draft > 1),
             request_ids=[it.request.group_id for it in plan.items], num_preempted=len(plan.preempted),
+            request_tokens=[it.num_tokens for it in plan.items],
+            request_prefill=prefill,
+            preempted_ids=[r.group_id for r in plan.preempted],
             kv_used_blocks=used_blocks, kv_used_slots=used_blocks * bs - empty,
             num_running=self.num_running, num_waiting=self.num_waiting,
             logical_tokens=sum(r.num_computed_tokens for r in self.scheduler.running), phases=phases,
@@ -467,6 +486,22 @@ class LLMEngine:
             spec_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_accepted_tokens=self.spec_stats.num_accepted_tokens,
             spec_accepted_per_pos=tuple(self.spec_stats.accepted_per_pos))
+
+    def kv_map(self, max_cells: int = 4096) -> KVMap:
+        """The KV pool at a glance, for the dashboard: each cell is the most common state of its blocks."""
+        codes = self.kv.pool.state_codes()
+        n = len(codes)
+        group = -(-n // max_cells)
+        if group > 1:
+            padded = np.zeros(-(-n // group) * group, dtype=np.uint8)
+            padded[:n] = codes
+            counts = np.stack([(padded.reshape(-1, group) == c).sum(1) for c in range(4)], axis=1)
+            counts[-1, 0] -= padded.size - n  # the padding is not free blocks
+            cells = (3 - counts[:, ::-1].argmax(1)).astype(np.uint8)  # ties go to the busier state
+        else:
+            cells = codes
+        totals = np.bincount(codes, minlength=4)
+        return KVMap(n, group, cells.tobytes(), tuple(int(x) for x in totals))
 
     @property
     def num_running(self) -> int:

@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import NamedTuple
 
+import numpy as np
+
 
 class BlockKey(NamedTuple):
     """What a cached block's hash stands for, compared in full on every lookup: a hit must be the same
@@ -52,6 +54,12 @@ class BlockPool:
     @property
     def num_cached_free(self) -> int:
         return sum(1 for b in self.free if self.block_hash[b] is not None)
+
+    def state_codes(self) -> np.ndarray:
+        """One byte per block: 0 free and empty, 1 free but cached (evictable), 2 in use, 3 shared (ref > 1)."""
+        ref = np.fromiter(self.ref_cnt, dtype=np.int32, count=self.num_blocks)
+        cached = np.fromiter((h is not None for h in self.block_hash), dtype=bool, count=self.num_blocks)
+        return np.where(ref > 1, 3, np.where(ref == 1, 2, cached.astype(np.int32))).astype(np.uint8)
 
     def allocate(self, n: int) -> list[int]:
         """Take `n` blocks from the head of the free queue, evicting their cached contents."""

@@ -24,7 +24,7 @@ import uvicorn
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 import conveyor
 from conveyor.config import EngineConfig
@@ -32,6 +32,7 @@ from conveyor.engine.engine_loop import EngineClient, InlineEngineClient, Proces
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.server import protocol as P
 from conveyor.server.async_engine import AsyncEngine
+from conveyor.server.dashboard import DashboardHub, dashboard_html, dashboard_setup
 from conveyor.server.metrics import CONTENT_TYPE, ServerMetrics
 from conveyor.server.serving import ApiError, OpenAIServing, bad_request
 
@@ -138,12 +139,16 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
     metrics = ServerMetrics(info.model_name, aengine.stats, info)
     aengine.metrics = metrics
     serving = OpenAIServing(aengine, [info.model_name], args.request_timeout)
+    hub = DashboardHub(client, dashboard_setup(engine_config, info))
+    aengine.observers.append(hub.observe)
+    metrics.listeners.append(hub)
     logging.getLogger("conveyor.server.requests").disabled = args.disable_log_requests
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await aengine.start()
         yield
+        hub.close()
         await aengine.stop(timeout=10.0)
 
     app = FastAPI(title="conveyor", version=conveyor.__version__, lifespan=lifespan, docs_url=None,
@@ -152,6 +157,7 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
     app.state.serving = serving
     app.state.metrics = metrics
     app.state.args = args
+    app.state.dashboard = hub
 
     def check_key(request: Request) -> None:
         if not args.api_key:
@@ -215,6 +221,17 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
     async def version() -> Response:
         return JSONResponse({"version": conveyor.__version__})
 
+    @app.get("/dashboard")
+    async def dashboard() -> Response:
+        """The live view (static page; its data stream below is checked like the API)."""
+        return HTMLResponse(dashboard_html())
+
+    @app.get("/dashboard/events")
+    async def dashboard_events(request: Request) -> Response:
+        check_key(request)
+        return StreamingResponse(hub.stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
@@ -234,9 +251,11 @@ class GracefulServer(uvicorn.Server):
     def __init__(self, app: FastAPI, grace_s: float, **config_kw) -> None:
         super().__init__(uvicorn.Config(app, timeout_graceful_shutdown=grace_s + 2.0, lifespan="on", **config_kw))
         self.aengine: AsyncEngine = app.state.engine
+        self.app_state = app.state
         self.grace_s = grace_s
 
     async def shutdown(self, *args, **kwargs) -> None:
+        self.app_state.dashboard.close()  # dashboard streams never end by themselves
         drain = asyncio.ensure_future(self.aengine.abort_all_after(self.grace_s))
         try:
             await super().shutdown(*args, **kwargs)

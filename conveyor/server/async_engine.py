@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from conveyor.engine.engine_loop import (
@@ -189,6 +189,7 @@ class AsyncEngine:
         self._stopping = False
         self._c = _Counters()
         self._stats = EngineStats(kv_blocks_total=client.info.num_kv_blocks)
+        self.observers: list[Callable[[LoopOutput], None]] = []
         client.on_output = self._on_output_threadsafe
 
     # --- lifecycle ----------------------------------------------------------------------------------
@@ -309,6 +310,11 @@ class AsyncEngine:
                 sub._fail(EngineDeadError(f"the engine died: {out.error}"))
         elif out.final:
             self._stats = EngineStats(**{**self._stats.__dict__, "alive": False})
+        for observe in self.observers:  # e.g. the dashboard: after the requests got their tokens, and never fatal
+            try:
+                observe(out)
+            except Exception:
+                log.exception("an engine-output observer failed; ignoring it")
         self._maybe_log()
 
     def _publish(self, out: LoopOutput) -> None:

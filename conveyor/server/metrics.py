@@ -123,6 +123,7 @@ class ServerMetrics:
     def __init__(self, model_name: str, snapshot: Callable[[], EngineStats], info: EngineInfo | None = None) -> None:
         """`info`: what the engine was built with (weight and KV dtypes, KV capacity), shown as gauges."""
         self.registry = CollectorRegistry(auto_describe=True)
+        self.listeners: list = []  # objects with observe_finish / observe_itl (the dashboard), told the same
         self.registry.register(_EngineCollector(snapshot, model_name))
         labels = ["model_name"]
         self.model_name = model_name
@@ -147,6 +148,11 @@ class ServerMetrics:
             self.request_success.labels(model_name, reason)
 
     def observe_finish(self, reason: str, ttft: float | None, e2e: float | None, queue: float | None) -> None:
+        for listener in self.listeners:
+            try:
+                listener.observe_finish(reason, ttft, e2e, queue)
+            except Exception:  # a viewer's bookkeeping must never break a request's
+                pass
         self.request_success.labels(self.model_name, reason).inc()
         if ttft is not None:
             self.ttft.labels(self.model_name).observe(ttft)
@@ -156,6 +162,11 @@ class ServerMetrics:
             self.queue_time.labels(self.model_name).observe(queue)
 
     def observe_itl(self, seconds: float) -> None:
+        for listener in self.listeners:
+            try:
+                listener.observe_itl(seconds)
+            except Exception:
+                pass
         self.itl.labels(self.model_name).observe(seconds)
 
     def render(self) -> bytes:
