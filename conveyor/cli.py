@@ -162,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     from conveyor.server.api_server import add_server_args
 
     add_server_args(serve)
+    from conveyor.scaleout.ingress import add_scaleout_args
+
+    add_scaleout_args(serve)
     sub.add_parser("bench", help="the batching lab (see `conveyor bench --help`)")
     sub.add_parser("tune", help="find the knobs with the best goodput under a latency SLO (see `conveyor tune --help`)")
 
@@ -172,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             return cmd_generate(args)
         if args.command == "serve":
+            if args.replicas > 1 or args.ray_address is not None:
+                from conveyor.scaleout.ingress import run_replicated_server
+
+                return run_replicated_server(args)
             from conveyor.server.api_server import run_server
 
             return run_server(args)

@@ -62,6 +62,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--long-input", type=_range, default=(512, 1500), help="longtail: LO-HI")
     g.add_argument("--long-output", type=_range, default=(128, 384), help="longtail: LO-HI")
     g.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: system prompt tokens")
+    g.add_argument("--num-prefixes", type=int, default=1,
+                   help="shared-prefix: distinct system prompts, taken in turn by the requests")
     g.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT service-level objective")
     g.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT service-level objective")
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of inter-arrivals (1 = Poisson)")
@@ -77,7 +79,8 @@ def workload_from_args(args: argparse.Namespace) -> WorkloadSpec:
     return WorkloadSpec(name=args.workload, num_prompts=args.num_prompts, input_len=args.input_len,
                         output_len=args.output_len, range_ratio=args.range_ratio, long_fraction=args.long_fraction,
                         short_input=args.short_input, short_output=args.short_output, long_input=args.long_input,
-                        long_output=args.long_output, prefix_len=args.prefix_len, seed=args.seed)
+                        long_output=args.long_output, prefix_len=args.prefix_len,
+                        num_prefixes=args.num_prefixes, seed=args.seed)
 
 
 def lab_engine_config(args: argparse.Namespace):

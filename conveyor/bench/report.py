@@ -250,7 +250,9 @@ def _workload_text(w: dict) -> str:
     rr = f" +/-{w['range_ratio']:.0%}" if w["range_ratio"] else ""
     text = f"prompt {w['input_len']}{rr} tokens, output {w['output_len']}{rr} tokens"
     if w["name"] == "shared-prefix":
-        text = f"a shared {w['prefix_len']}-token system prompt, then " + text
+        k = w.get("num_prefixes", 1)
+        shared = "a shared" if k == 1 else f"one of {k} shared"
+        text = f"{shared} {w['prefix_len']}-token system prompt{'s' if k > 1 else ''}, then " + text
     return text
 
 

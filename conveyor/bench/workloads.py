@@ -42,6 +42,7 @@ class WorkloadSpec:
     long_output: tuple[int, int] = (128, 384)
     # shared-prefix: a common system prompt of prefix_len tokens, then input_len random tokens
     prefix_len: int = 256
+    num_prefixes: int = 1  # shared-prefix: distinct system prompts, taken in turn (tenants; what a prefix router sorts)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -59,6 +60,8 @@ class WorkloadSpec:
             lo, hi = getattr(self, name)
             if not 1 <= lo <= hi:
                 raise ValueError(f"{name} must be a range (lo, hi) with 1 <= lo <= hi, got {(lo, hi)}")
+        if self.num_prefixes < 1:
+            raise ValueError(f"num_prefixes must be >= 1, got {self.num_prefixes}")
         if self.prefix_len < 0:
             raise ValueError(f"prefix_len must be >= 0, got {self.prefix_len}")
 
@@ -86,9 +89,11 @@ def generate(spec: WorkloadSpec, vocab_size: int, max_model_len: int | None = No
     so that prompt + output fits; otherwise the engine would cut it and the lengths would not hold.
     """
     rng = random.Random(spec.seed)
-    prefix = _tokens(rng, spec.prefix_len, vocab_size) if spec.name == "shared-prefix" else []
+    shared = spec.name == "shared-prefix"
+    prefixes = [_tokens(rng, spec.prefix_len, vocab_size) for _ in range(spec.num_prefixes)] if shared else [[]]
     out = []
-    for _ in range(spec.num_prompts):
+    for i in range(spec.num_prompts):
+        prefix = prefixes[i % len(prefixes)]
         if spec.name == "longtail":
             long = rng.random() < spec.long_fraction
             p_lo, p_hi = spec.long_input if long else spec.short_input

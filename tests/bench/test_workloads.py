@@ -52,6 +52,17 @@ def test_shared_prefix_shares_the_system_prompt() -> None:
     assert len({tuple(r.prompt_token_ids[64:]) for r in reqs}) == 10
 
 
+def test_shared_prefix_with_several_system_prompts_takes_them_in_turn() -> None:
+    one = generate(WorkloadSpec("shared-prefix", num_prompts=6, prefix_len=32, input_len=8, output_len=4), VOCAB)
+    three = generate(WorkloadSpec("shared-prefix", num_prompts=6, prefix_len=32, input_len=8, output_len=4,
+                                  num_prefixes=3), VOCAB)
+    heads = [tuple(r.prompt_token_ids[:32]) for r in three]
+    assert heads[:3] == heads[3:] and len(set(heads)) == 3
+    assert heads[0] == tuple(one[0].prompt_token_ids[:32])  # the first system prompt is the one-prefix workload's
+    with pytest.raises(ValueError, match="num_prefixes"):
+        WorkloadSpec("shared-prefix", num_prefixes=0)
+
+
 def test_max_model_len_clips_prompt_first() -> None:
     reqs = generate(WorkloadSpec("random", num_prompts=5, input_len=300, output_len=50), VOCAB, max_model_len=256)
     assert all(r.prompt_len + r.max_tokens <= 256 and r.max_tokens == 50 for r in reqs)
