@@ -5,12 +5,19 @@ load time makes a decode-sized matmul up to 2x faster on the machines we measure
 AVX-512 BF16: 1x576x3072 in bf16 158 -> 80 us, 64x576x49152 16.1 -> 11.0 ms). The packing is
 independent of the batch size (`_reorder_linear_weight(w, None)`), so one packed weight serves
 every step. `nn.Linear` stays the reference: CUDA, other dtypes, or `CONVEYOR_PACKED_LINEAR=0`.
+
+bf16 weights may instead run our own kernel (`kernels/csrc/linear_bf16.cpp`, the AVX-512 BF16 dot-product
+instruction), which reads a decode step's weights much faster than oneDNN on the AMD EPYC we measured and is
+batch-invariant by construction. Which of the two runs is chosen once per process by timing both
+(`linear_kernel`), since on another CPU (AMX tiles, say) oneDNN may win; `CONVEYOR_LINEAR_KERNEL=onednn|dpbf16`
+forces one.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -27,18 +34,28 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
 class PackedLinear(nn.Module):
     """y = x W^T + b with W held in oneDNN's packed layout (CPU, fp32/bf16)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, kernel: str | None = None) -> None:
+        """`kernel`: "dpbf16" or "onednn"; None takes `linear_kernel()`'s choice where the shape fits ours."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.source_ptr = linear.weight.data_ptr()  # which weight was packed (tied LM heads: the embedding)
-        with torch.no_grad():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
         self.bias = None if linear.bias is None else linear.bias.detach()
+        w = linear.weight.detach()
+        # "dpbf16" (our kernel: rows never padded, invariant by construction) or "onednn"
+        if kernel is None:
+            kernel = "dpbf16" if _dpbf16_fits(w) and linear_kernel() == "dpbf16" else "onednn"
+        elif kernel == "dpbf16" and not _dpbf16_fits(w):
+            raise ValueError(f"the dpbf16 kernel needs a bf16 weight with N % 16 == 0 and even K, got "
+                             f"{tuple(w.shape)} {w.dtype}")
+        self.kernel = kernel
+        with torch.no_grad():
+            self.packed = (_kernels().linear_bf16_pack(w) if self.kernel == "dpbf16"
+                           else torch.ops.mkldnn._reorder_linear_weight(w, None))
         # rows are padded to a multiple of this; None: no padding found that makes rows batch-invariant.
         # CONVEYOR_BATCH_INVARIANT=0 skips the check and the padding (only to measure what invariance costs).
         self.row_multiple: int | None = 1
-        if os.environ.get("CONVEYOR_BATCH_INVARIANT", "1") != "0":
-            self.row_multiple = _row_multiple(self.in_features, self.out_features, linear.weight.dtype)
+        if self.kernel == "onednn" and os.environ.get("CONVEYOR_BATCH_INVARIANT", "1") != "0":
+            self.row_multiple = _row_multiple(self.in_features, self.out_features, w.dtype)
 
     def _mm(self, x2: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [None], "")
@@ -47,6 +64,11 @@ class PackedLinear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         m = x2.shape[0]
+        if self.kernel == "dpbf16":
+            y = _kernels().linear_bf16(x2, self.packed)
+            if self.bias is not None:
+                y += self.bias
+            return y.view(*shape[:-1], self.out_features)
         rows = padded_rows(m, self.row_multiple or 1)
         if rows != m:
             x2 = F.pad(x2, (0, 0, 0, rows - m))
@@ -116,6 +138,69 @@ def _row_multiple(k: int, n: int, dtype: torch.dtype) -> int | None:
         if _ROW_MULTIPLE[key] is None:
             log.warning("linear %dx%d (%s): no row padding makes oneDNN's results batch-invariant here", k, n, dtype)
     return _ROW_MULTIPLE[key]
+
+
+def _kernels():
+    from conveyor import kernels
+
+    return kernels.load()
+
+
+def _dpbf16_fits(w: torch.Tensor) -> bool:
+    return w.dtype == torch.bfloat16 and w.shape[0] % 16 == 0 and w.shape[1] % 2 == 0
+
+
+_LINEAR_KERNEL: str | None = None
+
+
+def linear_kernel() -> str:
+    """Which kernel runs bf16 linears in this process: "dpbf16" (ours) or "onednn", decided once.
+
+    Not by assumption: where the compiled kernels have AVX-512 BF16, both run a SmolLM2-sized matmul
+    (576 -> 1536) at 1 and at 64 rows, best of 5 each, and ours is taken if it is faster at one row and
+    no more than 5% slower at 64 (measured on an AMD EPYC Zen 4: 1.8x faster at one row, 1.0-1.2x at 64).
+    One kernel serves every row count, so outputs stay batch-invariant whichever wins.
+    """
+    global _LINEAR_KERNEL
+    if _LINEAR_KERNEL is None:
+        forced = os.environ.get("CONVEYOR_LINEAR_KERNEL", "auto")
+        k = _kernels()
+        if forced not in ("auto", "onednn", "dpbf16"):
+            raise ValueError(f"CONVEYOR_LINEAR_KERNEL must be auto, onednn or dpbf16, got {forced!r}")
+        if k is None or not k.linear_bf16_available():
+            if forced == "dpbf16":
+                log.warning("CONVEYOR_LINEAR_KERNEL=dpbf16, but this CPU or build has no AVX-512 BF16: using oneDNN")
+            _LINEAR_KERNEL = "onednn"
+        elif forced != "auto":
+            _LINEAR_KERNEL = forced
+        else:
+            _LINEAR_KERNEL = _measure_linear_kernels(k)
+    return _LINEAR_KERNEL
+
+
+def _measure_linear_kernels(k) -> str:
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(1536, 576, generator=g) * 0.05).to(torch.bfloat16)
+    x = torch.randn(64, 576, generator=g).to(torch.bfloat16)
+    ours, dnn = k.linear_bf16_pack(w), torch.ops.mkldnn._reorder_linear_weight(w, None)
+    runs = {"dpbf16": lambda a: k.linear_bf16(a, ours),
+            "onednn": lambda a: torch.ops.mkldnn._linear_pointwise(a, dnn, None, "none", [None], "")}
+    best: dict[tuple[str, int], float] = {}
+    for rows in (1, 64):
+        a = x[:rows].contiguous()
+        for _ in range(5):
+            for name, run in runs.items():  # interleaved, so that a noisy moment hits both
+                t0 = time.perf_counter()
+                for _ in range(10):
+                    run(a)
+                dt = time.perf_counter() - t0
+                best[name, rows] = min(best.get((name, rows), dt), dt)
+    choice = ("dpbf16" if best["dpbf16", 1] < best["onednn", 1] and best["dpbf16", 64] <= 1.05 * best["onednn", 64]
+              else "onednn")
+    log.info("bf16 linears: %s (measured 576->1536: 1 row %.0f vs %.0f us, 64 rows %.0f vs %.0f us, ours vs oneDNN)",
+             choice, best["dpbf16", 1] * 1e5, best["onednn", 1] * 1e5, best["dpbf16", 64] * 1e5,
+             best["onednn", 64] * 1e5)
+    return choice
 
 
 def pack_linears(model: nn.Module) -> int:

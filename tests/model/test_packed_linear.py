@@ -25,7 +25,7 @@ def test_matches_nn_linear(dtype):
 def test_rows_do_not_depend_on_the_batch(k, n):
     """oneDNN computes an odd last row on another path (K=1536 showed it); PackedLinear keeps M even."""
     torch.manual_seed(1)
-    lin = PackedLinear(nn.Linear(k, n, bias=False).bfloat16())
+    lin = PackedLinear(nn.Linear(k, n, bias=False).bfloat16(), kernel="onednn")
     if lin.row_multiple is None:
         pytest.skip("no row padding makes oneDNN row-invariant for this shape on this CPU (logged)")
     x = torch.randn(80, k).bfloat16()
@@ -47,7 +47,7 @@ def test_row_buckets_are_bounded_and_cheap():
 
 def test_bucketed_rows_do_not_depend_on_the_batch():
     torch.manual_seed(2)
-    lin = PackedLinear(nn.Linear(576, 1536, bias=False).bfloat16())
+    lin = PackedLinear(nn.Linear(576, 1536, bias=False).bfloat16(), kernel="onednn")
     if lin.row_multiple is None:
         pytest.skip("no row padding makes oneDNN row-invariant for this shape on this CPU (logged)")
     x = torch.randn(300, 576).bfloat16()

@@ -405,6 +405,9 @@ torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, t
 void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 void apply_token_bitmask_(torch::Tensor logits, torch::Tensor bits, torch::Tensor rows);
+bool linear_bf16_available();
+torch::Tensor linear_bf16_pack(torch::Tensor w);
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed);
 
 // Every op releases the GIL while it runs: the server's event loop keeps streaming meanwhile.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -421,4 +424,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU)", release());
   m.def("apply_token_bitmask_", &apply_token_bitmask_, "ban the logits a grammar's bitmask excludes (CPU)",
         release());
+  m.def("linear_bf16_available", &linear_bf16_available, "whether this build has the AVX-512 BF16 linear");
+  m.def("linear_bf16_pack", &linear_bf16_pack, "a bf16 weight [N, K] in linear_bf16's layout", release());
+  m.def("linear_bf16", &linear_bf16, "x @ W^T in bf16 with vdpbf16ps, batch-invariant (CPU)", release());
 }

@@ -1,0 +1,76 @@
+"""Our AVX-512 BF16 linear kernel (`kernels/csrc/linear_bf16.cpp`) against the plain fp32 matmul, and a
+row's bits independent of the rows beside it, by construction (one vdpbf16ps chain per output)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from conveyor import kernels
+from conveyor.model import packed_linear
+from conveyor.model.packed_linear import PackedLinear, packing_available
+
+_k = kernels.load()
+pytestmark = pytest.mark.skipif(
+    _k is None or not _k.linear_bf16_available() or not packing_available(torch.device("cpu"), torch.bfloat16),
+    reason="no AVX-512 BF16 kernel on this CPU or build")
+
+
+def reference(x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
+    y = x.float() @ lin.weight.float().T
+    return (y if lin.bias is None else y + lin.bias.float()).bfloat16()
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 576, 960), (2, 576, 3072), (7, 1536, 576), (64, 576, 576), (5, 2, 16),
+                                   (13, 34, 48), (130, 96, 80), (300, 64, 208)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_the_fp32_matmul(m, k, n, bias):
+    """Within bf16's rounding of the output (fp32 accumulation, one rounding at the end), for odd row
+    counts, column counts that are not a multiple of the 64-column register block, and more rows than
+    one 128-row pass."""
+    torch.manual_seed(m * 7 + k + n)
+    lin = nn.Linear(k, n, bias=bias).bfloat16()
+    x = torch.randn(m, k).bfloat16()
+    ours = PackedLinear(lin, kernel="dpbf16")
+    assert ours.kernel == "dpbf16" and ours.row_multiple == 1
+    torch.testing.assert_close(ours(x).float(), reference(x, lin).float(), atol=2e-2, rtol=1.6e-2)
+    # 3-D inputs keep their leading dims
+    assert ours(x.view(1, m, k)).shape == (1, m, n)
+
+
+@pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (576, 3072), (64, 48)])
+def test_rows_are_bit_identical_whatever_the_batch(k, n):
+    torch.manual_seed(3)
+    lin = PackedLinear(nn.Linear(k, n, bias=False).bfloat16(), kernel="dpbf16")
+    x = torch.randn(300, k).bfloat16()
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(300)])
+    for m in [*range(1, 14), 31, 64, 65, 127, 128, 129, 200, 300]:
+        assert torch.equal(lin(x[:m]), alone[:m]), f"M={m}"
+    assert torch.equal(lin(x[5:70]), alone[5:70])  # rows at other offsets too
+
+
+def test_zero_rows():
+    lin = PackedLinear(nn.Linear(32, 16, bias=False).bfloat16(), kernel="dpbf16")
+    assert lin(torch.empty(0, 32, dtype=torch.bfloat16)).shape == (0, 16)
+
+
+def test_shapes_it_cannot_take_fall_back_to_onednn():
+    odd = nn.Linear(64, 40, bias=False).bfloat16()  # N not a multiple of 16
+    assert PackedLinear(odd).kernel == "onednn"
+    with pytest.raises(ValueError, match="N % 16"):
+        PackedLinear(odd, kernel="dpbf16")
+    assert PackedLinear(nn.Linear(64, 48)).kernel == "onednn"  # fp32: oneDNN's
+
+
+def test_the_choice_is_measured_and_can_be_forced(monkeypatch):
+    choice = packed_linear._measure_linear_kernels(_k)
+    assert choice in ("dpbf16", "onednn")
+    monkeypatch.setattr(packed_linear, "_LINEAR_KERNEL", None)
+    monkeypatch.setenv("CONVEYOR_LINEAR_KERNEL", "onednn")
+    assert packed_linear.linear_kernel() == "onednn"
+    assert PackedLinear(nn.Linear(64, 48, bias=False).bfloat16()).kernel == "onednn"
+    monkeypatch.setattr(packed_linear, "_LINEAR_KERNEL", None)
+    monkeypatch.setenv("CONVEYOR_LINEAR_KERNEL", "fastest")
+    with pytest.raises(ValueError, match="CONVEYOR_LINEAR_KERNEL"):
+        packed_linear.linear_kernel()
