@@ -8,7 +8,7 @@ ignore_eos): 64 concurrent clients over 256 random requests (prompts 128-384, ou
 a single stream (256-token prompt, 128 output tokens). The script also prints conveyor's throughput
 as a fraction of the machine's limits, measured here in the same run:
 - 64 clients: the load's matmul FLOPs (prefill rows, decode rows, LM-head rows) divided by the
-  fastest bf16 GEMM rate this machine reaches at the same shapes (plain and oneDNN-prepacked);
+  fastest bf16 GEMM rate this machine reaches at the same shapes (plain, oneDNN-prepacked, ours);
 - single stream: bytes read per token (all weights + the KV of the context) divided by the measured
   memory read bandwidth.
 """
@@ -103,9 +103,14 @@ def load_flops(result: dict, cfg) -> tuple[float, float, float]:
 
 
 def gemm_rates(cfg) -> dict[int, float]:
-    """Best bf16 GEMM FLOP/s over the model's weight shapes, at 64 rows (decode) and 256 rows (prefill)."""
+    """Best bf16 GEMM FLOP/s over the model's weight shapes, at 64 rows (decode) and 256 rows (prefill):
+    torch's, oneDNN-prepacked, and our AVX-512 BF16 kernel where this CPU has it."""
     import torch
     import torch.nn.functional as F
+
+    from conveyor import kernels
+    kern = kernels.load()
+    ours = kern is not None and kern.linear_bf16_available()
     h, q, kv, inter = (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
                        cfg.intermediate_size)
     shapes = [(h, q + 2 * kv), (q, h), (h, 2 * inter), (inter, h)]
@@ -117,6 +122,8 @@ def gemm_rates(cfg) -> dict[int, float]:
             packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
             fns = [lambda x=x, w=w: F.linear(x, w),
                    lambda x=x, p=packed: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [None], "")]
+            if ours:
+                fns.append(lambda x=x, p=kern.linear_bf16_pack(w): kern.linear_bf16(x, p))
             best = float("inf")
             for fn in fns:
                 for _ in range(3):
