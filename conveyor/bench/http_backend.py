@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from urllib.parse import urlparse
 
@@ -24,6 +25,27 @@ from conveyor.bench.loadgen import RequestRecord
 from conveyor.bench.result import EngineRunStats, Summary
 from conveyor.bench.workloads import BenchRequest
 
+
+async def sse_lines(resp: httpx.Response):
+    """The lines of a server-sent-events stream, split only where SSE splits them: CR LF, CR or LF.
+
+    Not httpx's `aiter_lines`: it splits with `str.splitlines`, which also breaks at U+0085, U+2028 and
+    U+2029, so a server that sends a token holding one of them raw (JSON allows it) would have its chunk
+    cut in two unparseable halves and the run would count an error that is the client's.
+    """
+    buf = ""
+    async for text in resp.aiter_text():
+        buf += text
+        hold = buf.endswith("\r")  # its LF may come in the next piece: keep the CR back until then
+        *lines, rest = _SSE_EOL.split(buf[:-1] if hold else buf)
+        buf = rest + ("\r" if hold else "")
+        for line in lines:
+            yield line
+    if buf:
+        yield buf.rstrip("\r")
+
+
+_SSE_EOL = re.compile(r"\r\n|\r|\n")
 METRIC_PREFIXES = ("conveyor:", "conveyor_", "vllm:")
 
 
@@ -123,7 +145,7 @@ class HttpBackend:
                 body = (await resp.aread()).decode(errors="replace")
                 rec.error = f"HTTP {resp.status_code}: {body[:200]}"
                 return
-            async for line in resp.aiter_lines():
+            async for line in sse_lines(resp):
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()

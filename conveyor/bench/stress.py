@@ -33,7 +33,7 @@ import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from conveyor.bench.http_backend import find_listening_pid, parse_prometheus
+from conveyor.bench.http_backend import find_listening_pid, parse_prometheus, sse_lines
 
 WORDS = ("batch block cache token step queue prefix decode stream model river cloud stone paper light "
          "garden window letter number orange silver yellow market engine signal").split()
@@ -155,7 +155,7 @@ async def completion(client: httpx.AsyncClient, body: dict, chat: bool = False) 
         if r.status_code != 200:
             await r.aread()
             return r.status_code, {"error": r.text[:200]}
-        async for line in r.aiter_lines():
+        async for line in sse_lines(r):
             if not line.startswith("data: "):
                 continue
             if line == "data: [DONE]":
@@ -345,7 +345,7 @@ async def disconnect_storm(url: str, *, cuts: int = 300, concurrency: int = 48, 
                         refused[str(resp.status_code)] += 1
                         chunks = -1
                         return
-                    async for line in resp.aiter_lines():
+                    async for line in sse_lines(resp):
                         if line.startswith("data: "):
                             chunks += 1
                             if mode == "mid" and chunks >= want:
@@ -455,7 +455,7 @@ async def soak(url: str, *, duration_s: float = 1200.0, warmup_s: float | None =
                         if resp.status_code != 200:
                             failures.append(f"cut: status {resp.status_code}")
                             return
-                        async for line in resp.aiter_lines():
+                        async for line in sse_lines(resp):
                             if line.startswith("data: ") and r.random() < 0.2:
                                 break
                 except httpx.HTTPError:
