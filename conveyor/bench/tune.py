@@ -4,7 +4,8 @@
 
 The search is successive halving over a coarse grid (the batching strategy x `max_num_seqs` x
 `max_num_batched_tokens`), all on one model load with the same requests and arrival times:
-1. every grid point runs a short version of the workload (a quarter of the prompts);
+1. every grid point runs a short version of the workload (a quarter of the prompts; in a closed loop
+   at least 1.5x the concurrency, so that short runs queue as the full one does);
 2. the best third (by goodput, then throughput) and the default configuration run the full workload,
    together with the neighbours of the best (half and double each knob) not yet measured.
 A configuration *meets the SLO* when at least `--slo-attainment` (90%) of its requests had TTFT
@@ -96,6 +97,18 @@ class Point:
         return (self.goodput_req_s, self.output_tok_s)
 
 
+def short_count(n: int, fraction: float, concurrency: int | None) -> int:
+    """How many of the workload's `n` requests a short run sends: `fraction` of them, but in a closed loop
+    at least 1.5x the concurrency. Why: a short run of fewer requests than there are clients never
+    queues, so a small `max_num_seqs` (which makes requests wait for a slot to keep TPOT low) looked
+    free in the short runs and lost to noise (seen: SmolLM2, 24 clients, 16-request short runs, where
+    max_num_seqs 16 was the only setting near the TPOT target in full runs)."""
+    count = max(4, math.ceil(n * fraction))
+    if concurrency:
+        count = max(count, math.ceil(1.5 * concurrency))
+    return min(n, count)
+
+
 class Tuner:
     def __init__(self, engine: LLMEngine, base: EngineConfig, spec: TuneSpec, results_file: Path,
                  progress: bool = True) -> None:
@@ -118,8 +131,8 @@ class Tuner:
         self.flop_model = FlopModel.from_config(engine.model_config)
         vocab = engine.model_config.vocab_size
         self.full_requests = generate(spec.workload, vocab, engine.max_model_len)
-        n_short = max(4, math.ceil(len(self.full_requests) * spec.short_fraction))
-        self.short_requests = self.full_requests[:n_short]
+        self.short_requests = self.full_requests[:short_count(len(self.full_requests), spec.short_fraction,
+                                                              spec.concurrency)]
         self.peak: float | None = None
         self.t0 = time.monotonic()
         self.skipped_for_time = 0

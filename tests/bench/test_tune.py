@@ -4,7 +4,7 @@ results file, bounded by its time budget; and the Pareto front and serve line it
 from __future__ import annotations
 
 from conveyor.bench.cli import main as bench_main
-from conveyor.bench.tune import Point, pareto, serve_command
+from conveyor.bench.tune import Point, pareto, serve_command, short_count
 
 ARGS = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "0.01", "--num-prompts", "12",
         "--input-len", "32", "--output-len", "8", "--request-rate", "30", "--slo-ttft-ms", "5000",
@@ -59,3 +59,11 @@ def test_pareto_front_keeps_only_undominated_points():
 def test_serve_command_sets_the_knobs():
     line = serve_command(["--model", "m", "--max-num-seqs", "4"], {"max_num_seqs": 64, "scheduler": "continuous"})
     assert line == "conveyor serve --model m --max-num-seqs 64 --scheduler continuous"
+
+
+def test_short_runs_of_a_closed_loop_are_long_enough_to_queue():
+    assert short_count(64, 0.25, None) == 16  # open loop: a quarter
+    assert short_count(64, 0.25, 24) == 36  # 24 clients: more requests than clients, so small max_num_seqs queue
+    assert short_count(64, 0.25, 4) == 16
+    assert short_count(12, 0.25, 64) == 12  # never more than the workload
+    assert short_count(8, 0.25, None) == 4

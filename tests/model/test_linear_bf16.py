@@ -74,3 +74,17 @@ def test_the_choice_is_measured_and_can_be_forced(monkeypatch):
     monkeypatch.setenv("CONVEYOR_LINEAR_KERNEL", "fastest")
     with pytest.raises(ValueError, match="CONVEYOR_LINEAR_KERNEL"):
         packed_linear.linear_kernel()
+
+
+def test_the_thread_count_changes_nothing():
+    """Threads split the columns; each output's chain stays the same, so the bits do too."""
+    torch.manual_seed(4)
+    lin = PackedLinear(nn.Linear(576, 960, bias=False).bfloat16(), kernel="dpbf16")
+    x = torch.randn(9, 576).bfloat16()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = lin(x)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, lin(x))

@@ -14,6 +14,7 @@
 // order, each pair of the 16 columns as one 64-byte vector (the operand vdpbf16ps takes).
 
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -102,7 +103,8 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed) {
   auto xd = reinterpret_cast<const uint32_t*>(x.data_ptr());
   auto wd = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   auto od = reinterpret_cast<uint16_t*>(out.data_ptr());
-#pragma omp parallel
+  // torch's thread count (`--threads`), not OpenMP's default for the calling thread
+#pragma omp parallel num_threads(at::get_num_threads())
   {
     // each thread owns an equal share of the 16-column blocks, for every row
     const int nt = omp_get_num_threads(), t = omp_get_thread_num();
