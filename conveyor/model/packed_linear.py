@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 
 import torch
@@ -47,6 +48,8 @@ class PackedLinear(nn.Module):
         elif kernel == "dpbf16" and not _dpbf16_fits(w):
             raise ValueError(f"the dpbf16 kernel needs a bf16 weight with N % 16 == 0 and even K, got "
                              f"{tuple(w.shape)} {w.dtype}")
+        elif kernel == "dpbf16" and (_kernels() is None or not _kernels().linear_bf16_available()):
+            raise ValueError("the dpbf16 kernel needs the compiled kernels on a CPU with AVX-512 BF16")
         self.kernel = kernel
         with torch.no_grad():
             self.packed = (_kernels().linear_bf16_pack(w) if self.kernel == "dpbf16"
@@ -159,23 +162,30 @@ def linear_kernel() -> str:
     Not by assumption: where the compiled kernels have AVX-512 BF16, both run a SmolLM2-sized matmul
     (576 -> 1536) at 1 and at 64 rows, best of 5 each, and ours is taken if it is faster at one row and
     no more than 5% slower at 64 (measured on an AMD EPYC Zen 4: 1.8x faster at one row, 1.0-1.2x at 64).
-    One kernel serves every row count, so outputs stay batch-invariant whichever wins.
+    One kernel serves every row count, so outputs stay batch-invariant whichever wins. Across processes
+    the two may round differently: where runs on several processes must match bit for bit (replicas,
+    a server and an offline job), pin the choice with `CONVEYOR_LINEAR_KERNEL`.
     """
     global _LINEAR_KERNEL
-    if _LINEAR_KERNEL is None:
-        forced = os.environ.get("CONVEYOR_LINEAR_KERNEL", "auto")
-        k = _kernels()
-        if forced not in ("auto", "onednn", "dpbf16"):
-            raise ValueError(f"CONVEYOR_LINEAR_KERNEL must be auto, onednn or dpbf16, got {forced!r}")
-        if k is None or not k.linear_bf16_available():
-            if forced == "dpbf16":
-                log.warning("CONVEYOR_LINEAR_KERNEL=dpbf16, but this CPU or build has no AVX-512 BF16: using oneDNN")
-            _LINEAR_KERNEL = "onednn"
-        elif forced != "auto":
-            _LINEAR_KERNEL = forced
-        else:
-            _LINEAR_KERNEL = _measure_linear_kernels(k)
+    with _CHOICE_LOCK:  # one measurement per process, even if two threads load models at once
+        if _LINEAR_KERNEL is None:
+            _LINEAR_KERNEL = _choose_linear_kernel()
     return _LINEAR_KERNEL
+
+
+_CHOICE_LOCK = threading.Lock()
+
+
+def _choose_linear_kernel() -> str:
+    forced = os.environ.get("CONVEYOR_LINEAR_KERNEL", "auto")
+    if forced not in ("auto", "onednn", "dpbf16"):
+        raise ValueError(f"CONVEYOR_LINEAR_KERNEL must be auto, onednn or dpbf16, got {forced!r}")
+    k = _kernels()
+    if k is None or not k.linear_bf16_available():
+        if forced == "dpbf16":
+            log.warning("CONVEYOR_LINEAR_KERNEL=dpbf16, but this CPU or build has no AVX-512 BF16: using oneDNN")
+        return "onednn"
+    return forced if forced != "auto" else _measure_linear_kernels(k)
 
 
 def _measure_linear_kernels(k) -> str:

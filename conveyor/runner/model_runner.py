@@ -111,9 +111,11 @@ class ModelRunner:
         linears = [m for m in self.model.modules() if isinstance(m, (PackedLinear, QuantizedLinear))]
         self.batch_invariant = (self.attention_backend == "kernel" and bool(linears)
                                 and all(m.batch_invariant for m in linears))
-        log.info("runner: %s/%s, weights %s, attention %s, %d linear layers prepacked for oneDNN, %d torch threads, "
+        kinds = sorted({m.kernel for m in linears if isinstance(m, PackedLinear)})
+        log.info("runner: %s/%s, weights %s, attention %s, %d linear layers packed (%s), %d torch threads, "
                  "batch-invariant outputs: %s", self.device, self.dtype, self.weight_dtype, self.attention_backend,
-                 self.packed_linears, torch.get_num_threads(), "yes" if self.batch_invariant else "no")
+                 self.packed_linears, "+".join(kinds) or "-", torch.get_num_threads(),
+                 "yes" if self.batch_invariant else "no")
         # KV storage: the model's dtype, or int8 with an fp16 scale per token and head (attention.py)
         self.kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else self.dtype
         self._pool_buffers: list[mmap.mmap] = []
