@@ -28,6 +28,7 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
+#include <cstdlib>
 
 namespace {
 
@@ -37,7 +38,7 @@ constexpr int MAX_D = 256;
 // How many tiles ahead K/V are prefetched. Measured on a 64 x 280-token decode over a 20k-block pool
 // (AMD EPYC Zen 4, 2 threads, min of 3): 1 tile ahead ~1.0 ms per layer, 4 ahead ~1.15 ms. Taking all
 // KV heads of a decode in one work item (reading each block front to back) measured slower (~1.15-1.25).
-constexpr int PREFETCH_TILES = 1;
+static int PREFETCH_TILES = std::getenv("PFT") ? std::atoi(std::getenv("PFT")) : 1;
 
 
 inline float to_float(float x) { return x; }
@@ -124,6 +125,117 @@ inline void tile16(const float (*Q)[D], float (*acc)[D], float* m, float* l, con
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define CONVEYOR_ATTN_DPBF16 1
+// bf16 caches: the same 16-key tile with the AVX-512 BF16 dot-product instruction (vdpbf16ps), which
+// multiplies pairs of bf16 and adds both products to an fp32 lane: no bf16 -> fp32 conversions, half the
+// instructions. Q.K^T: the K rows d and d+1 of the tile (16 keys each) become 16 (d, d+1) pairs with one
+// word permutation; the query row is read as bf16 pairs, unscaled (the score is scaled afterwards).
+// P.V: the softmax weights are rounded to bf16 (as HF's eager attention rounds them to the model dtype
+// before its P.V matmul; l keeps the fp32 sum), and values of keys j and j+1 are interleaved with
+// unpacklo/hi, so the accumulator lanes hold the head dimensions in a fixed permuted order
+// (`acc_lane_of`), put back when the output is written. Every sum still runs in one fixed order: pairs of
+// dimensions (two alternating chains) for a score, pairs of keys for an output.
+inline int acc_lane_of(int d) {  // where dimension d sits in a permuted accumulator row
+  const int base = d & ~31, dd = d & 31, lane = dd >> 3, k = dd & 7;
+  return base + (k < 4 ? lane * 4 + k : 16 + lane * 4 + (k - 4));
+}
+
+template <int D, int NR, bool PACKED_ROWS>
+inline void tile16_dp(const uint32_t (*Qp)[D / 2], float (*acc)[D], float* m, float* l, const int* valid, int n,
+                      const at::BFloat16* kt, int64_t kstride, const at::BFloat16* vt, float scale) {
+  static_assert(D % 32 == 0, "the bf16 tile takes head dims in multiples of 32");
+  // output word 2j <- input word j (row d, key j); 2j+1 <- 16 + j (row d + 1, key j)
+  const __m512i pair_idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                            23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  __m512 sa[NR], sb[NR];
+  for (int i = 0; i < NR; ++i) { sa[i] = _mm512_setzero_ps(); sb[i] = _mm512_setzero_ps(); }
+  const uint16_t* kw = reinterpret_cast<const uint16_t*>(kt);
+  for (int p = 0; p < D / 2; p += 2) {
+    __m512i r0, r1;
+    if constexpr (PACKED_ROWS) {  // block_size 16: rows d and d + 1 are one 64-byte line
+      r0 = _mm512_loadu_si512(kw + 2 * p * 16);
+      r1 = _mm512_loadu_si512(kw + (2 * p + 2) * 16);
+    } else {
+      r0 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(kw + 2 * p * kstride))),
+                              _mm256_loadu_si256((const __m256i*)(kw + (2 * p + 1) * kstride)), 1);
+      r1 = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(kw + (2 * p + 2) * kstride))),
+          _mm256_loadu_si256((const __m256i*)(kw + (2 * p + 3) * kstride)), 1);
+    }
+    const __m512bh k0 = (__m512bh)_mm512_permutexvar_epi16(pair_idx, r0);
+    const __m512bh k1 = (__m512bh)_mm512_permutexvar_epi16(pair_idx, r1);
+    for (int i = 0; i < NR; ++i) {
+      sa[i] = _mm512_dpbf16_ps(sa[i], (__m512bh)_mm512_set1_epi32(static_cast<int>(Qp[i][p])), k0);
+      sb[i] = _mm512_dpbf16_ps(sb[i], (__m512bh)_mm512_set1_epi32(static_cast<int>(Qp[i][p + 1])), k1);
+    }
+  }
+  alignas(64) uint32_t pw[NR][8];  // the weights as bf16 pairs (keys 2j, 2j + 1)
+  float corr[NR];
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int i = 0; i < NR; ++i) {
+    const int vi = std::max(valid[i], 0);
+    const __mmask16 mask = static_cast<__mmask16>((1u << vi) - 1u);
+    const __m512 s = _mm512_mul_ps(_mm512_add_ps(sa[i], sb[i]), vscale);
+    const float mx = vi > 0 ? std::max(m[i], _mm512_mask_reduce_max_ps(mask, s)) : m[i];
+    const __m512 pr = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(s, _mm512_set1_ps(mx))));
+    corr[i] = vi > 0 ? exp_approx(m[i] - mx) : 1.f;
+    l[i] = l[i] * corr[i] + _mm512_reduce_add_ps(pr);
+    m[i] = mx;
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pw[i]), (__m256i)_mm512_cvtneps_pbh(pr));
+  }
+  const uint16_t* vw = reinterpret_cast<const uint16_t*>(vt);
+  const int pairs = (n + 1) / 2;
+  constexpr int CH = D < 64 ? D : 64;  // accumulator chunk: NR x CH/16 registers
+  for (int c = 0; c < D; c += CH) {
+    const int ch = std::min(CH, D - c);  // 64, or a last 32 (D = 96)
+    __m512 a[NR][CH / 16];
+    for (int i = 0; i < NR; ++i) {
+      const __m512 ci = _mm512_set1_ps(corr[i]);
+      for (int b = 0; b < ch / 16; ++b) a[i][b] = _mm512_mul_ps(_mm512_load_ps(acc[i] + c + b * 16), ci);
+    }
+    for (int jp = 0; jp < pairs; ++jp) {
+      const int j = 2 * jp;
+      const bool second = j + 1 < n;  // an odd last key pairs with zeros, never with an unwritten slot
+      for (int sc = 0; sc < ch / 32; ++sc) {
+        const __m512i v0 = _mm512_loadu_si512(vw + j * D + c + sc * 32);
+        const __m512i v1 = second ? _mm512_loadu_si512(vw + (j + 1) * D + c + sc * 32) : _mm512_setzero_si512();
+        const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(v0, v1);
+        const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(v0, v1);
+        for (int i = 0; i < NR; ++i) {
+          const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[i][jp]));
+          a[i][2 * sc] = _mm512_dpbf16_ps(a[i][2 * sc], w, lo);
+          a[i][2 * sc + 1] = _mm512_dpbf16_ps(a[i][2 * sc + 1], w, hi);
+        }
+      }
+    }
+    for (int i = 0; i < NR; ++i) {
+      for (int b = 0; b < ch / 16; ++b) _mm512_store_ps(acc[i] + c + b * 16, a[i][b]);
+    }
+  }
+}
+
+// One tile for all rows of an item: register blocks of 4 rows, then the 1-3 left.
+template <int D, bool PACKED_ROWS>
+inline void tiles_dp(const uint32_t (*Qp)[D / 2], float (*acc)[D], float* m, float* l, const int* valid, int rows,
+                     const at::BFloat16* kt, int64_t kstride, const at::BFloat16* vt, float scale) {
+  int r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    tile16_dp<D, 4, PACKED_ROWS>(Qp + r, acc + r, m + r, l + r, valid + r, std::max(valid[r + 3], 0), kt, kstride,
+                                 vt, scale);
+  }
+  const int nl = std::max(valid[rows - 1], 0);
+  switch (rows - r) {
+    case 3: tile16_dp<D, 3, PACKED_ROWS>(Qp + r, acc + r, m + r, l + r, valid + r, nl, kt, kstride, vt, scale); break;
+    case 2: tile16_dp<D, 2, PACKED_ROWS>(Qp + r, acc + r, m + r, l + r, valid + r, nl, kt, kstride, vt, scale); break;
+    case 1: tile16_dp<D, 1, PACKED_ROWS>(Qp + r, acc + r, m + r, l + r, valid + r, nl, kt, kstride, vt, scale); break;
+    default: break;
+  }
+}
+#else
+#define CONVEYOR_ATTN_DPBF16 0
+#endif
+
 template <typename T, typename CT, int D>
 void attend_item(const T* __restrict q, T* __restrict out, const CT* __restrict k_cache, const CT* __restrict v_cache,
                  const at::Half* __restrict k_scale, const at::Half* __restrict v_scale,
@@ -151,6 +263,20 @@ void attend_item(const T* __restrict q, T* __restrict out, const CT* __restrict 
   for (int j = 0; j < KV_TILE; ++j) {
     for (int d = 0; d < D; ++d) Kt[d][j] = 0.f;
   }
+#if CONVEYOR_ATTN_DPBF16
+  constexpr bool dp = std::is_same<CT, at::BFloat16>::value && std::is_same<T, at::BFloat16>::value && D % 32 == 0;
+  const bool use_dp = dp && tile == 16;
+  alignas(64) uint32_t Qp[dp ? MAX_ROWS : 1][D / 2];  // the bf16 query rows as (d, d + 1) pairs, unscaled
+  if (use_dp) {
+    for (int r = 0; r < rows; ++r) {
+      const T* src = q + (q_begin + r / group) * q_stride_t + (head0 + r % group) * D;
+      std::memcpy(Qp[r], src, D * sizeof(T));
+    }
+  }
+#else
+  constexpr bool dp = false;
+  const bool use_dp = false;
+#endif
   const int64_t last = pos[rows - 1];  // rows are in position order: the last one sees the most keys
   const int64_t head_off = static_cast<int64_t>(kvh) * D * block_size;
   for (int64_t k0 = 0; k0 <= last; k0 += tile) {
@@ -174,6 +300,22 @@ void attend_item(const T* __restrict q, T* __restrict out, const CT* __restrict 
       for (int d = 0; d < D; d += step) __builtin_prefetch(nk + d * krow);
       for (int64_t b = 0; b < static_cast<int64_t>(tile * D * sizeof(CT)); b += 64) __builtin_prefetch(nv + b);
     }
+#if CONVEYOR_ATTN_DPBF16
+    if constexpr (dp) {
+      if (use_dp) {
+        int valid[MAX_ROWS];
+        for (int r = 0; r < rows; ++r) valid[r] = static_cast<int>(std::min<int64_t>(n, pos[r] + 1 - k0));
+        const at::BFloat16* kb = reinterpret_cast<const at::BFloat16*>(ks);
+        const at::BFloat16* vb = reinterpret_cast<const at::BFloat16*>(vs);
+        if (block_size == 16) {
+          tiles_dp<D, true>(Qp, acc, m, l, valid, rows, kb, block_size, vb, scale);
+        } else {
+          tiles_dp<D, false>(Qp, acc, m, l, valid, rows, kb, block_size, vb, scale);
+        }
+        continue;
+      }
+    }
+#endif
 #ifdef __AVX512F__
     if (tile == 16 && D % 16 == 0) {
       int valid[MAX_ROWS];
@@ -243,6 +385,12 @@ void attend_item(const T* __restrict q, T* __restrict out, const CT* __restrict 
     const int h = head0 + r % group;
     T* dst = out + t * q_stride_t + h * D;
     const float inv = 1.f / l[r];
+#if CONVEYOR_ATTN_DPBF16
+    if (use_dp) {  // the accumulator's lanes hold the dimensions permuted
+      for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[r][acc_lane_of(d)] * inv);
+      continue;
+    }
+#endif
     for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[r][d] * inv);
   }
 }
