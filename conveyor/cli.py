@@ -51,6 +51,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
                    help="KV cache storage: auto = the model's dtype; int8 = one scale per token and head, "
                         "about half the memory per token (default: auto)")
+    g.add_argument("--kv-cache-populate", action=argparse.BooleanOptionalAction, default=None,
+                   help="CPU: fault the KV pool's memory in at startup, as vLLM's preallocated cache is, so that "
+                        "a fresh server's first requests do not pay page faults (default: on for serve and "
+                        "in-process benchmarks, off for generate and the Python API)")
     g.add_argument("--generation-config", default="auto",
                    help="sampling defaults for requests that set none: auto = the model's generation_config.json "
                         "(built-in models: their card's), vllm = none (temperature 1, top_p 1), or a folder")
@@ -104,7 +108,10 @@ def document(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def engine_config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
+def engine_config_from_args(args: argparse.Namespace, populate_default: bool = False, **extra) -> EngineConfig:
+    """`populate_default`: whether the KV pool is faulted in at startup unless --(no-)kv-cache-populate says
+    (on for long-running servers and benchmarks, off for one-off generation)."""
+    populate = populate_default if args.kv_cache_populate is None else args.kv_cache_populate
     return EngineConfig(
         model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
@@ -114,6 +121,7 @@ def engine_config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching, admission_reserve=args.admission_reserve,
         seed=args.seed, attention_backend=args.attention_backend, threads=args.threads,
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_populate=populate,
         generation_config=args.generation_config, speculative_config=args.speculative_config, **extra,
     )
 

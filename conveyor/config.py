@@ -47,6 +47,7 @@ class EngineConfig:
     seed: int | None = 0  # seeds the generator that sampled requests without their own seed draw from
     quantization: str | None = None  # None | int8 | int4: weight-only (conveyor/model/quantization.py)
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8
+    kv_cache_populate: bool = False  # CPU: fault the pool's pages in at startup (servers: on, see `serve`)
     attention_backend: str = "auto"  # auto | kernel | torch (see conveyor/model/attention.py)
     threads: int | None = None  # torch compute threads; None: one per physical core (CPU)
     served_model_name: str | None = None

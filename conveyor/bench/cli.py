@@ -85,7 +85,7 @@ def workload_from_args(args: argparse.Namespace) -> WorkloadSpec:
 
 def lab_engine_config(args: argparse.Namespace):
     """The engine flags plus the lab's own: an exact KV pool size."""
-    return engine_config_from_args(args, num_kv_blocks=args.num_kv_blocks)
+    return engine_config_from_args(args, populate_default=True, num_kv_blocks=args.num_kv_blocks)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -403,7 +403,7 @@ def run_replicated_server(args: argparse.Namespace) -> int:
         raise ValueError("with --replicas each replica runs its engine loop in a thread (--engine-loop thread)")
     if getattr(args, "log_level", "WARNING").upper() == "WARNING":
         logging.getLogger("conveyor").setLevel(logging.INFO)
-    cfg = engine_config_from_args(args, served_model_name=args.served_model_name)
+    cfg = engine_config_from_args(args, populate_default=True, served_model_name=args.served_model_name)
     if cfg.threads is None and args.device != "cuda":
         cfg.threads = max(1, int(args.replica_cpus))
     sargs = ServerArgs.from_namespace(args)

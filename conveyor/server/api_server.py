@@ -269,7 +269,7 @@ def run_server(args: argparse.Namespace) -> int:
 
     if getattr(args, "log_level", "WARNING").upper() == "WARNING":  # the CLI default: a server logs at INFO
         logging.getLogger("conveyor").setLevel(logging.INFO)
-    cfg = engine_config_from_args(args, served_model_name=args.served_model_name)
+    cfg = engine_config_from_args(args, populate_default=True, served_model_name=args.served_model_name)
     sargs = ServerArgs.from_namespace(args)
     app = build_app(cfg, sargs)
     server = GracefulServer(app, sargs.shutdown_timeout, host=sargs.host, port=sargs.port,
