@@ -8,9 +8,11 @@ need a next token, and samples.
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import logging
 import mmap
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -194,13 +196,14 @@ class ModelRunner:
         fresh server's first few GiB of KV writes each page-fault, inside the attention's parallel
         region, where one stalled thread stalls the other. In the 64-client load of benchmarks/vs_vllm.py
         (in-process, this 2-core AMD EPYC) the K/V writes took 5.3 s of 107 s with faults and 1.0 s
-        without; output 303 -> 325 tok/s. A server commits its pool at startup instead, as vLLM's
+        without; output 303 -> 329 tok/s. A server commits its pool at startup instead, as vLLM's
         preallocated cache does. `MADV_POPULATE_WRITE` (Linux 5.14+) runs one call per tensor on a
         thread pool (ctypes drops the GIL); without it the pool is written with zeros."""
         if not self._pool_buffers:
             return
         t0 = time.perf_counter()
         tensors = [t for layer in self.kv_caches for t in layer]
+        _libc()  # resolved once, before the threads ask for it
 
         def one(t: torch.Tensor) -> None:
             if not _madvise_populate(t):
@@ -406,24 +409,28 @@ def verify(rows: SampleResult, items: list[ScheduledItem]) -> SampleResult:
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; not in Python 3.11's mmap module
 _PAGE = mmap.PAGESIZE
-_libc: ctypes.CDLL | None = None
-_libc_tried = False
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """libc's madvise on Linux (other systems number their advice differently), else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return libc
+    except (OSError, AttributeError):
+        return None
 
 
 def _madvise_populate(t: torch.Tensor) -> bool:
     """Fault in (writable, contents unchanged) the pages under `t`; False where the kernel cannot."""
-    global _libc, _libc_tried
-    if not _libc_tried:
-        _libc_tried = True
-        try:
-            _libc = ctypes.CDLL(None, use_errno=True)
-            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        except (OSError, AttributeError):
-            _libc = None
-    if _libc is None:
+    libc = _libc()
+    if libc is None:
         return False
     start = t.data_ptr()
     end = start + t.numel() * t.element_size()
     start -= start % _PAGE
     end += -end % _PAGE
-    return _libc.madvise(start, end - start, _MADV_POPULATE_WRITE) == 0
+    return libc.madvise(start, end - start, _MADV_POPULATE_WRITE) == 0

@@ -42,6 +42,19 @@ def test_populated_pool_is_resident_and_lazy_one_is_not(tiny_llama):
     assert out_lazy == out_eager
 
 
+def test_without_madvise_populate_the_pool_is_written_with_zeros(tiny_llama, monkeypatch):
+    """Kernels before Linux 5.14 (and other systems): the fallback touches every page by zeroing it."""
+    import conveyor.runner.model_runner as model_runner
+
+    monkeypatch.setattr(model_runner, "_madvise_populate", lambda t: False)
+    before = rss()
+    llm = make(tiny_llama, True)
+    pool = llm.engine.runner.num_blocks * llm.engine.runner.bytes_per_block
+    assert rss() - before > 0.9 * pool
+    out = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     add_engine_args(p)
