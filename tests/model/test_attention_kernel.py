@@ -56,7 +56,8 @@ def steps(draw):
         else:
             reqs.append((draw(st.integers(1, 50)), draw(st.integers(2, 40))))
     h, hkv = draw(st.sampled_from([(4, 4), (9, 3), (8, 1), (24, 3)]))
-    return (reqs, h, hkv, draw(st.sampled_from([64, 128])), draw(st.sampled_from([4, 16, 32])),
+    return (reqs, h, hkv, draw(st.sampled_from([32, 64, 80, 96, 128, 256])),
+            draw(st.sampled_from([4, 16, 32, 64, 128])),
             draw(st.sampled_from([torch.float32, torch.bfloat16])), draw(st.integers(0, 2**31 - 1)))
 
 
@@ -69,6 +70,22 @@ def test_kernel_matches_reference(step):
     out, kc, vc = run("kernel", reqs, *data, block_size)
     assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref), "K/V written to different slots"
     tol = 2e-5 if dtype == torch.float32 else 2e-2  # bf16: one rounding of the output (ulp 2^-7 near 1..2)
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("d", [32, 64, 80, 96, 128, 256])
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_head_dim_against_the_reference(d, block_size, dtype):
+    """Every compiled head dim, both tile paths: bf16 with 16-key tiles takes the vdpbf16ps path where the
+    CPU has it (head dims in multiples of 32; 96 ends on a 32-wide chunk; block size 16 reads K row
+    pairs as one line, 64 as two halves); fp32 and head dim 80 the fp32 tile (80 and 96 end on a chunk
+    narrower than 64: once read past the row)."""
+    reqs = [(37, 1), (0, 45), (20, 13), (150, 1)]
+    data = make_step(reqs, 9, 3, d, block_size, dtype, d + block_size)
+    ref, _, _ = run("torch", reqs, *data, block_size)
+    out, _, _ = run("kernel", reqs, *data, block_size)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 

@@ -108,25 +108,26 @@ inline void tile16(const float (*Q)[D], float (*acc)[D], float* m, float* l, con
   }
   constexpr int CH = D < 64 ? D : 64;  // accumulator chunk: NR x CH/16 registers
   for (int c = 0; c < D; c += CH) {
+    const int ch = std::min(CH, D - c);  // 64, or what is left (D = 80, 96): never past the row
     __m512 a[NR][CH / 16];
     for (int i = 0; i < NR; ++i) {
       const __m512 ci = _mm512_set1_ps(corr[i]);
-      for (int b = 0; b < CH / 16; ++b) a[i][b] = _mm512_mul_ps(_mm512_load_ps(acc[i] + c + b * 16), ci);
+      for (int b = 0; b < ch / 16; ++b) a[i][b] = _mm512_mul_ps(_mm512_load_ps(acc[i] + c + b * 16), ci);
     }
     for (int j = 0; j < n; ++j) {
-      for (int b = 0; b < CH / 16; ++b) {
+      for (int b = 0; b < ch / 16; ++b) {
         const __m512 v = load16(vt + j * D + c + b * 16);
         for (int i = 0; i < NR; ++i) a[i][b] = _mm512_fmadd_ps(_mm512_set1_ps(pr[i][j]), v, a[i][b]);
       }
     }
     for (int i = 0; i < NR; ++i) {
-      for (int b = 0; b < CH / 16; ++b) _mm512_store_ps(acc[i] + c + b * 16, a[i][b]);
+      for (int b = 0; b < ch / 16; ++b) _mm512_store_ps(acc[i] + c + b * 16, a[i][b]);
     }
   }
 }
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define CONVEYOR_ATTN_DPBF16 1
 // bf16 caches: the same 16-key tile with the AVX-512 BF16 dot-product instruction (vdpbf16ps), which
 // multiplies pairs of bf16 and adds both products to an fp32 lane: no bf16 -> fp32 conversions, half the
