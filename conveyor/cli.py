@@ -54,7 +54,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-populate", action=argparse.BooleanOptionalAction, default=None,
                    help="CPU: fault the KV pool's memory in at startup, as vLLM's preallocated cache is, so that "
                         "a fresh server's first requests do not pay page faults (default: on for serve and "
-                        "in-process benchmarks, off for generate and the Python API)")
+                        "in-process benchmarks; off for generate, the Python API and serve --replicas)")
     g.add_argument("--generation-config", default="auto",
                    help="sampling defaults for requests that set none: auto = the model's generation_config.json "
                         "(built-in models: their card's), vllm = none (temperature 1, top_p 1), or a folder")

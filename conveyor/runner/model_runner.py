@@ -8,10 +8,12 @@ need a next token, and samples.
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import gc
 import logging
 import mmap
+import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -198,21 +200,28 @@ class ModelRunner:
         (in-process, this 2-core AMD EPYC) the K/V writes took 5.3 s of 107 s with faults and 1.0 s
         without; output 303 -> 329 tok/s. A server commits its pool at startup instead, as vLLM's
         preallocated cache does. `MADV_POPULATE_WRITE` (Linux 5.14+) runs one call per tensor on a
-        thread pool (ctypes drops the GIL); without it the pool is written with zeros."""
+        thread pool (ctypes drops the GIL); where the kernel lacks it, the pool is written with zeros; on
+        any other error (ENOMEM) it stays lazy, with a warning."""
         if not self._pool_buffers:
             return
         t0 = time.perf_counter()
         tensors = [t for layer in self.kv_caches for t in layer]
         _libc()  # resolved once, before the threads ask for it
 
-        def one(t: torch.Tensor) -> None:
-            if not _madvise_populate(t):
-                t.zero_()
-
         with ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads())) as pool:
-            list(pool.map(one, tensors))
-        log.info("KV cache: %.2f GiB of pages faulted in at startup in %.1f s",
-                 sum(t.numel() * t.element_size() for t in tensors) / 2**30, time.perf_counter() - t0)
+            errors = list(pool.map(_madvise_populate, tensors))
+        how = "MADV_POPULATE_WRITE"
+        if any(e == errno.EINVAL for e in errors) or _libc() is None:  # no such advice (before Linux 5.14)
+            how = "zeros"
+            for t, e in zip(tensors, errors):
+                if e != 0:
+                    t.zero_()  # one at a time: zero_ is itself parallel
+        elif any(errors):  # ENOMEM and the like: touching every page would only fail harder
+            log.warning("KV cache: could not fault the pool in (%s); it stays lazy",
+                        os.strerror(next(e for e in errors if e)))
+            return
+        log.info("KV cache: %.2f GiB of pages faulted in at startup in %.1f s (%s)",
+                 sum(t.numel() * t.element_size() for t in tensors) / 2**30, time.perf_counter() - t0, how)
 
     @property
     def bytes_per_block(self) -> int:
@@ -424,13 +433,14 @@ def _libc() -> ctypes.CDLL | None:
         return None
 
 
-def _madvise_populate(t: torch.Tensor) -> bool:
-    """Fault in (writable, contents unchanged) the pages under `t`; False where the kernel cannot."""
+def _madvise_populate(t: torch.Tensor) -> int:
+    """Fault in (writable, contents unchanged) the pages under `t`: 0, or the errno (EINVAL where the
+    kernel or the system has no such advice)."""
     libc = _libc()
     if libc is None:
-        return False
+        return errno.EINVAL
     start = t.data_ptr()
     end = start + t.numel() * t.element_size()
     start -= start % _PAGE
     end += -end % _PAGE
-    return libc.madvise(start, end - start, _MADV_POPULATE_WRITE) == 0
+    return 0 if libc.madvise(start, end - start, _MADV_POPULATE_WRITE) == 0 else ctypes.get_errno()

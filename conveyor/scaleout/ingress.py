@@ -403,7 +403,9 @@ def run_replicated_server(args: argparse.Namespace) -> int:
         raise ValueError("with --replicas each replica runs its engine loop in a thread (--engine-loop thread)")
     if getattr(args, "log_level", "WARNING").upper() == "WARNING":
         logging.getLogger("conveyor").setLevel(logging.INFO)
-    cfg = engine_config_from_args(args, populate_default=True, served_model_name=args.served_model_name)
+    # replicas on one node size their pools from the same free memory at once: committing them all at
+    # startup could turn that overcommit into an OOM, so they stay lazy unless asked
+    cfg = engine_config_from_args(args, populate_default=False, served_model_name=args.served_model_name)
     if cfg.threads is None and args.device != "cuda":
         cfg.threads = max(1, int(args.replica_cpus))
     sargs = ServerArgs.from_namespace(args)

@@ -4,6 +4,7 @@ requests do not page-fault inside the attention's parallel region); one-off runs
 from __future__ import annotations
 
 import argparse
+import errno
 
 import psutil
 
@@ -46,13 +47,24 @@ def test_without_madvise_populate_the_pool_is_written_with_zeros(tiny_llama, mon
     """Kernels before Linux 5.14 (and other systems): the fallback touches every page by zeroing it."""
     import conveyor.runner.model_runner as model_runner
 
-    monkeypatch.setattr(model_runner, "_madvise_populate", lambda t: False)
+    monkeypatch.setattr(model_runner, "_madvise_populate", lambda t: errno.EINVAL)
     before = rss()
     llm = make(tiny_llama, True)
     pool = llm.engine.runner.num_blocks * llm.engine.runner.bytes_per_block
     assert rss() - before > 0.9 * pool
     out = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_out_of_memory_leaves_the_pool_lazy(tiny_llama, monkeypatch, caplog):
+    import conveyor.runner.model_runner as model_runner
+
+    monkeypatch.setattr(model_runner, "_madvise_populate", lambda t: errno.ENOMEM)
+    before = rss()
+    llm = make(tiny_llama, True)
+    pool = llm.engine.runner.num_blocks * llm.engine.runner.bytes_per_block
+    assert rss() - before < 0.5 * pool
+    assert "stays lazy" in caplog.text
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
