@@ -211,7 +211,7 @@ class ModelRunner:
         with ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads())) as pool:
             errors = list(pool.map(_madvise_populate, tensors))
         how = "MADV_POPULATE_WRITE"
-        if any(e == errno.EINVAL for e in errors) or _libc() is None:  # no such advice (before Linux 5.14)
+        if any(e == errno.EINVAL for e in errors):  # no such advice (before Linux 5.14, or not Linux)
             how = "zeros"
             for t, e in zip(tensors, errors):
                 if e != 0:
