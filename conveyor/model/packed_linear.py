@@ -28,8 +28,13 @@ log = logging.getLogger("conveyor.model")
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
-    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available() and os.environ.get("CONVEYOR_PACKED_LINEAR", "1") != "0")
+    """Whether oneDNN can prepack a `dtype` weight here. bf16 needs AVX-512 BW/VL/DQ, AVX-NE-CONVERT or
+    AMX: on an AVX2-only CPU (an AMD EPYC Zen 3, say) oneDNN refuses to pack bf16 weights, and such
+    layers stay `nn.Linear` (torch's own bf16 path, which works everywhere)."""
+    if not (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+            and torch.backends.mkldnn.is_available() and os.environ.get("CONVEYOR_PACKED_LINEAR", "1") != "0"):
+        return False
+    return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 class PackedLinear(nn.Module):

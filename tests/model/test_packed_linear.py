@@ -8,11 +8,17 @@ from torch import nn
 
 from conveyor.model.packed_linear import PackedLinear, packing_available, padded_rows
 
-pytestmark = pytest.mark.skipif(not packing_available(torch.device("cpu"), torch.bfloat16),
-                                reason="oneDNN packing unavailable")
+
+def packable(dtype: torch.dtype):
+    """`dtype` as a parameter, skipped where oneDNN cannot pack it (bf16 on an AVX2-only CPU)."""
+    return pytest.param(dtype, marks=pytest.mark.skipif(not packing_available(torch.device("cpu"), dtype),
+                                                        reason=f"oneDNN cannot pack {dtype} weights on this CPU"))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+DTYPES = [packable(torch.float32), packable(torch.bfloat16)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_matches_nn_linear(dtype):
     torch.manual_seed(0)
     lin = nn.Linear(96, 40, bias=True).to(dtype)
@@ -21,14 +27,15 @@ def test_matches_nn_linear(dtype):
     torch.testing.assert_close(PackedLinear(lin)(x), lin(x), **tol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (576, 3072)])  # SmolLM2's shapes
-def test_rows_do_not_depend_on_the_batch(k, n):
+def test_rows_do_not_depend_on_the_batch(k, n, dtype):
     """oneDNN computes an odd last row on another path (K=1536 showed it); PackedLinear keeps M even."""
     torch.manual_seed(1)
-    lin = PackedLinear(nn.Linear(k, n, bias=False).bfloat16(), kernel="onednn")
+    lin = PackedLinear(nn.Linear(k, n, bias=False).to(dtype), kernel="onednn")
     if lin.row_multiple is None:
         pytest.skip("no row padding makes oneDNN row-invariant for this shape on this CPU (logged)")
-    x = torch.randn(80, k).bfloat16()
+    x = torch.randn(80, k).to(dtype)
     alone = torch.cat([lin(x[i:i + 1]) for i in range(80)])
     for m in list(range(1, 20)) + [31, 33, 63, 64, 65, 80]:
         assert torch.equal(lin(x[:m]), alone[:m]), f"M={m}"
@@ -45,12 +52,24 @@ def test_row_buckets_are_bounded_and_cheap():
         assert r == m + (m % 2) if m <= 64 else r <= m * 1.125
 
 
-def test_bucketed_rows_do_not_depend_on_the_batch():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bucketed_rows_do_not_depend_on_the_batch(dtype):
     torch.manual_seed(2)
-    lin = PackedLinear(nn.Linear(576, 1536, bias=False).bfloat16(), kernel="onednn")
+    lin = PackedLinear(nn.Linear(576, 1536, bias=False).to(dtype), kernel="onednn")
     if lin.row_multiple is None:
         pytest.skip("no row padding makes oneDNN row-invariant for this shape on this CPU (logged)")
-    x = torch.randn(300, 576).bfloat16()
+    x = torch.randn(300, 576).to(dtype)
     alone = torch.cat([lin(x[i:i + 1]) for i in range(300)])
     for m in (65, 100, 129, 200, 257, 300):
         assert torch.equal(lin(x[:m]), alone[:m]), f"M={m}"
+
+
+def test_bf16_packing_is_offered_exactly_where_onednn_can_pack():
+    """On an AVX2-only CPU oneDNN refuses bf16 weights: a bf16 model must then load with plain nn.Linear
+    (the runner asks `packing_available`), and where packing is offered it must work."""
+    w = torch.randn(32, 64).bfloat16()
+    if packing_available(torch.device("cpu"), torch.bfloat16):
+        torch.ops.mkldnn._reorder_linear_weight(w, None)
+    else:
+        with pytest.raises(RuntimeError):
+            torch.ops.mkldnn._reorder_linear_weight(w, None)
