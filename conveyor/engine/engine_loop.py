@@ -296,10 +296,20 @@ class ThreadEngineClient(EngineClient):
             self.thread.join(timeout)
 
 
+def dump_stacks_on_sigusr1() -> None:
+    """`kill -USR1 PID` writes every thread's Python stack to stderr (the log): how to see where a server
+    or its engine process is stuck without stopping it."""
+    if hasattr(signal, "SIGUSR1"):
+        import faulthandler
+
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
 def _process_main(config: EngineConfig, conn, log_level: int) -> None:
     """The engine process: build, say `ready` with the engine's info, then run the loop on the pipe."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent stops us
+    dump_stacks_on_sigusr1()
     try:
         engine = LLMEngine(config)
     except BaseException as e:  # noqa: BLE001 - sent to the parent, which raises it

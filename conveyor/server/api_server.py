@@ -28,7 +28,13 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 
 import conveyor
 from conveyor.config import EngineConfig
-from conveyor.engine.engine_loop import EngineClient, InlineEngineClient, ProcessEngineClient, ThreadEngineClient
+from conveyor.engine.engine_loop import (
+    EngineClient,
+    InlineEngineClient,
+    ProcessEngineClient,
+    ThreadEngineClient,
+    dump_stacks_on_sigusr1,
+)
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.server import protocol as P
 from conveyor.server.async_engine import AsyncEngine
@@ -278,5 +284,6 @@ def run_server(args: argparse.Namespace) -> int:
     # handlers in place underneath its own, that re-raise is swallowed and we return 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
+    dump_stacks_on_sigusr1()
     server.run()
     return 0 if server.started else 1

@@ -58,15 +58,20 @@ class Server:
                         out[key] = out.get(key, 0.0) + s.value
         return out
 
-    def wait_idle(self, timeout: float = 5.0) -> dict[str, float]:
-        """Wait until nothing runs or waits and no KV block is referenced; return the last scrape."""
+    def wait_idle(self, timeout: float = 60.0) -> dict[str, float]:
+        """Wait until nothing runs or waits and no KV block is referenced; return that scrape.
+
+        It returns as soon as the server is idle, so the generous default costs a passing test nothing
+        and only gives a busy machine time to finish; a server still busy after it fails here, saying
+        so, rather than in whatever assertion the caller makes next."""
         deadline = time.monotonic() + timeout
         while True:
             m = self.scrape()
-            idle = (m["conveyor:num_requests_running"] == 0 and m["conveyor:num_requests_waiting"] == 0
-                    and m["conveyor:kv_cache_blocks_used"] == 0)
-            if idle or time.monotonic() > deadline:
+            gauges = {k: m[k] for k in ("conveyor:num_requests_running", "conveyor:num_requests_waiting",
+                                        "conveyor:kv_cache_blocks_used")}
+            if not any(gauges.values()):
                 return m
+            assert time.monotonic() < deadline, f"the server is not idle after {timeout:.0f} s: {gauges}"
             time.sleep(0.02)
 
 
@@ -121,6 +126,26 @@ def run_server(config: EngineConfig, args: ServerArgs | None = None) -> Iterator
         uv.should_exit = True
         thread.join(15)
         sock.close()
+
+
+@contextlib.contextmanager
+def slowed_steps(srv: Server, seconds: float = 0.02) -> Iterator[None]:
+    """Every engine step of `srv` takes at least `seconds` inside the block, so that a 480-token request
+    lasts ~10 s on any machine: a test that must see a request while it runs (cut it, time it out,
+    kill the engine under it) then cannot depend on how fast this machine is."""
+    engine = srv.app.state.engine.client.engine
+    real = engine.step
+
+    def step():
+        time.sleep(seconds)
+        return real()
+
+    engine.step = step
+    try:
+        yield
+    finally:
+        if engine.__dict__.get("step") is step:
+            del engine.step  # back to the class's method
 
 
 @pytest.fixture(scope="session")

@@ -97,9 +97,12 @@ def test_counts_match_metrics_once_idle(server):
     load(server, n=3).join(60)
     m = server.wait_idle(10)
     # the minute holds whole seconds only: the one the load ran in shows up once it is over
-    events = read_events(server, lambda evs: any(sum(e.get("minute", {}).get("gen_tok_s", [])) for e in evs),
-                         timeout=10)
-    minute = next(e["minute"] for e in events if sum(e.get("minute", {}).get("gen_tok_s", [])))
+    def filled(e: dict) -> bool:  # TTFTs are recorded when a request finishes: maybe a second after its tokens
+        mn = e.get("minute", {})
+        return bool(sum(mn.get("gen_tok_s", []))) and mn.get("ttft_p50_min") is not None
+
+    events = read_events(server, lambda evs: any(filled(e) for e in evs), timeout=10)
+    minute = next(e["minute"] for e in events if filled(e))
     assert minute["ttft_p50_min"] is not None and minute["itl_p50_min"] is not None
     load(server, n=2, max_tokens=8).join(60)
     server.wait_idle(10)  # the hub's snapshot is the engine's latest: with nothing running it equals /metrics

@@ -89,7 +89,11 @@ def test_stream_abort_and_engine_death(tiny_llama):
                 model=MODEL, prompt="n:", max_tokens=20, temperature=1.0, seed=4,
                 extra_body={"guided_regex": "[0-9]{4}"})
         except openai.APITimeoutError:  # seen twice in ~30 suite runs on a loaded machine: keep the evidence
-            pytest.fail("the grammar request timed out; server output:\n" + server_output(proc)[-4000:])
+            for p in [proc, *engines]:  # every thread's stack, in both processes, into the server's log
+                os.kill(p.pid, signal.SIGUSR1)
+            time.sleep(2)
+            pytest.fail("the grammar request timed out; server output with the stacks:\n"
+                        + server_output(proc)[-12000:])
         assert len(r.choices[0].text) == 4 and r.choices[0].text.isdigit()
         # a client that disconnects mid-stream: its sequence is aborted and its blocks are freed
         before = metric(url, "conveyor:request_success_total", finished_reason="abort")
@@ -138,6 +142,16 @@ def test_sigterm_stops_both_processes(tiny_llama):
     try:
         engines = engine_children(proc)
         assert engines
+        # SIGUSR1 writes every thread's stack to the log, in the server and in the engine process, and
+        # both keep running (what a stuck server is asked for before it is killed)
+        for p in [proc, *engines]:
+            os.kill(p.pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 30
+        while server_output(proc).count("most recent call first") < 2:
+            assert time.monotonic() < deadline, server_output(proc)[-3000:]
+            time.sleep(0.1)
+        assert "_process_main" in server_output(proc) and "run_server" in server_output(proc)
+        assert httpx.get(url + "/health", timeout=30).status_code == 200
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=30)
         out = server_output(proc)

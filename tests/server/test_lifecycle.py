@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from .conftest import MODEL, free_socket, popen_server, run_server, server_output, tiny_config
+from .conftest import MODEL, free_socket, popen_server, run_server, server_output, slowed_steps, tiny_config
 
 
 def test_engine_death_gives_503_and_stream_errors(tiny_llama):
@@ -25,12 +25,13 @@ def test_engine_death_gives_503_and_stream_errors(tiny_llama):
         def boom():
             raise RuntimeError("injected fault")
 
-        stream = client.completions.create(model=MODEL, prompt="doomed", max_tokens=400, stream=True,
-                                           extra_body={"ignore_eos": True})
-        with pytest.raises(openai.APIError, match="engine died"):
-            for i, _ in enumerate(stream):
-                if i == 2:
-                    aengine.client.engine.step = boom
+        with slowed_steps(srv):  # 400 tokens last ~8 s: the fault lands mid-stream on any machine
+            stream = client.completions.create(model=MODEL, prompt="doomed", max_tokens=400, stream=True,
+                                               extra_body={"ignore_eos": True})
+            with pytest.raises(openai.APIError, match="engine died"):
+                for i, _ in enumerate(stream):
+                    if i == 2:
+                        aengine.client.engine.step = boom
         deadline = time.monotonic() + 5
         while aengine.alive and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -7,8 +7,12 @@ Each test starts its own `conveyor serve` process so that its RSS is the server'
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import sys
 import time
+from dataclasses import asdict
+from pathlib import Path
 
 import httpx
 import pytest
@@ -18,6 +22,15 @@ from conveyor.bench.stress import disconnect_storm, overload, soak
 from .conftest import MODEL, free_socket, popen_server, server_output
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RSS sampling assumes Linux")
+ARTIFACTS = Path(os.environ.get("CONVEYOR_TEST_ARTIFACTS", Path(__file__).resolve().parents[2] / "test-artifacts"))
+
+
+def keep(name: str, result) -> None:
+    """Each run's numbers (RSS series, /health latencies, counts) in test-artifacts/, so that the margins
+    of a passing run can be read too, not only a failing one's."""
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    (ARTIFACTS / f"stress-{name}.json").write_text(
+        json.dumps({**asdict(result), "problems": result.problems()}, indent=1, default=str))
 
 
 class ServerProc:
@@ -61,6 +74,7 @@ def test_overload_gives_only_200_or_429(tiny_llama):
                     "--max-queued-tokens", "4000") as srv:
         r = asyncio.run(overload(srv.url, clients=80, duration_s=12.0, burst=200, burst_at_s=3.0,
                                  pid=srv.proc.pid, rss_headroom_mb=512))
+        keep("overload", r)
         srv.check(r.problems())
         assert r.statuses["200"] >= 20 and r.rss_peak_mb is not None
 
@@ -71,6 +85,7 @@ def test_disconnect_storm_leaves_nothing_behind(tiny_llama):
     with ServerProc(tiny_llama, "--max-num-seqs", "32") as srv:
         r = asyncio.run(disconnect_storm(srv.url, cuts=300, concurrency=48, good_clients=16,
                                          long_prompt_words=80))
+        keep("storm", r)
         srv.check(r.problems())
         assert r.refused == {}
         assert r.cut_before_first_token > 0 and r.cut_mid_stream > 0 and r.cut_in_prefill > 0
@@ -83,5 +98,6 @@ def test_soak_two_minutes_rss_flat(tiny_llama):
     with ServerProc(tiny_llama, "--max-num-seqs", "32") as srv:
         r = asyncio.run(soak(srv.url, duration_s=120.0, warmup_s=80.0, clients=12, rss_every_s=5.0,
                              max_tokens=(16, 48), pid=srv.proc.pid))
+        keep("soak", r)
         srv.check(r.problems())
         assert r.requests > 100 and r.growth is not None
