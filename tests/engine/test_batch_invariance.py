@@ -179,6 +179,7 @@ def test_quantized_engine_unchanged_in_a_crowd(model_dir, workload, monkeypatch,
     tokens independent of its batch: the int8 KV scales are per token, the int kernels per row."""
     monkeypatch.setenv("CONVEYOR_QUANT_DENSE_ABOVE", "none")
     probes, crowd = workload
+    crowd = dict(list(crowd.items())[:127])  # the int kernels at every step size are slow without AVX-512 VNNI
     alone = engine(model_dir, enable_prefix_caching=False, **kw)
     if not alone.runner.batch_invariant:
         pytest.skip("the engine reports batch-invariant outputs: no, on this machine")
