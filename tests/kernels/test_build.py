@@ -6,19 +6,24 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 PROBE = """
 import logging, torch
 logging.basicConfig(level=logging.INFO)
+import conveyor
 from conveyor import kernels
 from conveyor.model.attention import choose_backend
+print("package:", conveyor.__file__)
 print("module:", kernels.load())
 print("backend:", choose_backend("auto", torch.device("cpu"), torch.bfloat16, 9, 3, 64))
 """
 
 
-def run_probe(tmp_path, **env) -> subprocess.CompletedProcess:
+def run_probe(tmp_path, cwd=None, **env) -> subprocess.CompletedProcess:
     full = dict(os.environ, CONVEYOR_CACHE=str(tmp_path), **env)
-    return subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300, env=full)
+    return subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300, env=full,
+                          cwd=cwd)
 
 
 def test_no_compiler_falls_back_to_the_reference(tmp_path):
@@ -34,3 +39,50 @@ def test_kernels_can_be_turned_off(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "module: None" in proc.stdout and "backend: torch" in proc.stdout
     assert "CONVEYOR_KERNELS=0" in proc.stderr
+
+
+def built_cache(tmp_path) -> tuple[str, os.PathLike]:
+    """A copy of this machine's finished kernel build in a cache folder of its own: (name, folder)."""
+    import shutil
+    from pathlib import Path
+
+    from conveyor import kernels
+
+    module = kernels.load()
+    if module is None:
+        pytest.skip("no compiled kernels on this machine")
+    src = Path(module.__file__).parent
+    dst = tmp_path / "cache" / "kernels" / src.name
+    dst.mkdir(parents=True)
+    for f in (f"{src.name}.so", "built"):
+        shutil.copy2(src / f, dst / f)
+    return src.name, dst
+
+
+def test_a_stale_torch_lock_file_does_not_block_loading(tmp_path):
+    """torch's build lock (a plain file, left behind by a process killed while compiling) made every later
+    load wait forever: a server's engine hung in its first grammar step. A finished build is imported
+    without it."""
+    name, folder = built_cache(tmp_path)
+    (folder / "lock").touch()
+    proc = run_probe(tmp_path / "cache", CXX="/bin/false")  # and nothing is compiled again
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"module: <module '{name}'" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert "compiling" not in proc.stderr
+
+
+def test_another_checkout_uses_the_same_build(tmp_path):
+    """Sources are built from a copy inside the cache folder, so a second checkout of the same code (a CI
+    clone beside a work tree) imports what the first built instead of rebuilding it."""
+    import shutil
+    from pathlib import Path
+
+    import conveyor
+
+    name, _ = built_cache(tmp_path)
+    shutil.copytree(Path(conveyor.__file__).parent, tmp_path / "checkout" / "conveyor",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    proc = run_probe(tmp_path / "cache", cwd=tmp_path / "checkout", CXX="/bin/false")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"package: {tmp_path / 'checkout' / 'conveyor'}" in proc.stdout, proc.stdout
+    assert f"module: <module '{name}'" in proc.stdout, proc.stdout + proc.stderr[-2000:]
