@@ -4,9 +4,19 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
+
+# OpenMP threads that finish a parallel region first spin while they wait for the others (libgomp's
+# default). On a busy machine (more runnable threads than cores) a spinning thread holds the core that
+# a late thread needs, and every one of a step's many small parallel regions waits out a time slice:
+# beside one busy-loop process on 2 cores, a tiny-model generate ran 3-5x slower, and the suite took
+# 36 minutes instead of 15. Waiting threads that sleep at once cost a quiet machine ~10-20% on these
+# tiny models and keep a busy one close to quiet speed. Set before torch loads libgomp; servers the
+# tests start inherit it. (Timing only: no result depends on it.)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
