@@ -63,6 +63,18 @@ def metric(url: str, name: str, **labels: str) -> float:
     return total
 
 
+def dump_stacks(proc: subprocess.Popen, engines: list[psutil.Process]) -> None:
+    """SIGUSR1 to the server, then to each engine process, each once the previous dump is in the log:
+    every thread's stack, in every process, one dump after the other."""
+    for p in [proc, *engines]:
+        done = server_output(proc).count("Current thread") + 1
+        os.kill(p.pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 30
+        while server_output(proc).count("Current thread") < done and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.2)  # the dump's last lines, after the "Current thread" header
+
+
 def stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.kill()
@@ -89,9 +101,7 @@ def test_stream_abort_and_engine_death(tiny_llama):
                 model=MODEL, prompt="n:", max_tokens=20, temperature=1.0, seed=4,
                 extra_body={"guided_regex": "[0-9]{4}"})
         except openai.APITimeoutError:  # seen twice in ~30 suite runs on a loaded machine: keep the evidence
-            for p in [proc, *engines]:  # every thread's stack, in both processes, into the server's log
-                os.kill(p.pid, signal.SIGUSR1)
-            time.sleep(2)
+            dump_stacks(proc, engines)
             pytest.fail("the grammar request timed out; server output with the stacks:\n"
                         + server_output(proc)[-12000:])
         assert len(r.choices[0].text) == 4 and r.choices[0].text.isdigit()
@@ -143,14 +153,11 @@ def test_sigterm_stops_both_processes(tiny_llama):
         engines = engine_children(proc)
         assert engines
         # SIGUSR1 writes every thread's stack to the log, in the server and in the engine process, and
-        # both keep running (what a stuck server is asked for before it is killed)
-        for p in [proc, *engines]:
-            os.kill(p.pid, signal.SIGUSR1)
-        deadline = time.monotonic() + 30
-        while server_output(proc).count("most recent call first") < 2:
-            assert time.monotonic() < deadline, server_output(proc)[-3000:]
-            time.sleep(0.1)
-        assert "_process_main" in server_output(proc) and "run_server" in server_output(proc)
+        # both keep running (what a stuck server is asked for before it is killed). One at a time: both
+        # write to the same log, and two dumps at once interleave.
+        dump_stacks(proc, engines)
+        out = server_output(proc)
+        assert "in run_server" in out and "in _process_main" in out, out[-3000:]
         assert httpx.get(url + "/health", timeout=30).status_code == 200
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=30)
