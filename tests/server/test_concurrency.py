@@ -153,11 +153,8 @@ def test_request_timeout_aborts_and_frees(tiny_llama):
     answered 408 request_timeout; a stream gets an error event. Every step is slowed to 20 ms so that
     a 480-token request lasts ~10 s, far beyond the 1 s deadline, on any machine."""
     with run_server(tiny_config(tiny_llama), ServerArgs(request_timeout=1.0)) as srv:
-        engine = srv.app.state.engine.client.engine
-        real = engine.step
-        engine.step = lambda: (time.sleep(0.02), real())[1]
-        try:
-            body = {"model": MODEL, "prompt": "Wait for it", "max_tokens": 480, "ignore_eos": True}
+        body = {"model": MODEL, "prompt": "Wait for it", "max_tokens": 480, "ignore_eos": True}
+        with slowed_steps(srv):
             t0 = time.monotonic()
             r = httpx.post(srv.base_url + "/completions", json=body, timeout=30)
             assert r.status_code == 408, r.text
@@ -167,8 +164,6 @@ def test_request_timeout_aborts_and_frees(tiny_llama):
             assert '"request_timeout"' in lines[-2] and lines[-1] == "data: [DONE]"
             m = srv.wait_idle()
             assert m["conveyor:num_requests_running"] == 0 and m["conveyor:kv_cache_blocks_used"] == 0
-            del engine.step  # full speed again: a 4-token request has a whole 1 s budget
-            ok = httpx.post(srv.base_url + "/completions", json={**body, "max_tokens": 4}, timeout=30)
-            assert ok.status_code == 200  # short requests still finish in time
-        finally:
-            engine.__dict__.pop("step", None)
+        # full speed again: a 4-token request has a whole 1 s budget
+        ok = httpx.post(srv.base_url + "/completions", json={**body, "max_tokens": 4}, timeout=30)
+        assert ok.status_code == 200  # short requests still finish in time
