@@ -83,7 +83,7 @@ _HELP = {  # flags defined without a help text get this one
     "--top-p": "nucleus sampling mass",
     "--sampling-seed": "seed of this generation's sampling",
     "--host": "address to listen on",
-    "--port": "port to listen on",
+    "--port": "port to listen on (0: any free port, written to the log)",
     "--uvicorn-log-level": "uvicorn's own log level",
 }
 

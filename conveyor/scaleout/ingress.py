@@ -37,7 +37,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 import conveyor
 from conveyor.scaleout.router import Router, prefix_text
 from conveyor.server import protocol as P
-from conveyor.server.api_server import ServerArgs
+from conveyor.server.api_server import ServerArgs, bind_listen_socket
 from conveyor.server.metrics import CONTENT_TYPE
 from conveyor.server.serving import ApiError
 
@@ -410,6 +410,7 @@ def run_replicated_server(args: argparse.Namespace) -> int:
         cfg.threads = max(1, int(args.replica_cpus))
     sargs = ServerArgs.from_namespace(args)
     router = Router(args.replicas, args.router or "prefix", imbalance=args.router_imbalance)
+    sock = bind_listen_socket(sargs.host, sargs.port)  # before Ray: its processes take ports as they start
 
     address = args.ray_address or "local"  # "local": a new instance, even where RAY_ADDRESS names a cluster
     started_ray = address == "local"
@@ -431,9 +432,10 @@ def run_replicated_server(args: argparse.Namespace) -> int:
         server = uvicorn.Server(uvicorn.Config(ingress.app, host=sargs.host, port=sargs.port, lifespan="on",
                                                log_level=sargs.uvicorn_log_level, access_log=False,
                                                timeout_graceful_shutdown=sargs.shutdown_timeout))
-        server.run()
+        server.run(sockets=[sock])
         return 0 if server.started else 1
     finally:
+        sock.close()
         if started_ray:  # our own local cluster: stopping Ray stops every replica with it
             ray.shutdown()
         else:  # a shared cluster: remove our applications, leave the rest alone

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import signal
+import socket
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, fields
 
@@ -269,6 +270,28 @@ class GracefulServer(uvicorn.Server):
             drain.cancel()
 
 
+def bind_listen_socket(host: str, port: int) -> socket.socket:
+    """Bind the server's address before the slow part of startup (loading weights, starting replicas).
+
+    Binding late leaves the port free for the tens of seconds a model or a Ray cluster takes to come
+    up, and Ray's own processes open sockets on ports the kernel picks in that window: the server
+    then died at the very end with "address already in use". Binding first also makes a taken
+    port fail in a second instead of after the load, and `--port 0` picks a free one. The socket is
+    not inheritable, so neither the engine process nor Ray's workers hold it open after we exit."""
+    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT leftovers do not block
+    try:
+        sock.bind(addr)
+    except OSError as e:  # a ValueError: the CLI reports it in one line, as it does a bad flag
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror} (another server there? pick --port)") from None
+    # the real port, which `--port 0` only tells here (and scripts that start a server read it from this line)
+    bound = sock.getsockname()[1]
+    log.info("bound %s:%d; serving there as soon as the engine is up", host, bound)
+    return sock
+
+
 def run_server(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT; in-flight requests get `--shutdown-timeout` seconds, then exit 0."""
     from conveyor.cli import engine_config_from_args
@@ -277,6 +300,7 @@ def run_server(args: argparse.Namespace) -> int:
         logging.getLogger("conveyor").setLevel(logging.INFO)
     cfg = engine_config_from_args(args, populate_default=True, served_model_name=args.served_model_name)
     sargs = ServerArgs.from_namespace(args)
+    sock = bind_listen_socket(sargs.host, sargs.port)
     app = build_app(cfg, sargs)
     server = GracefulServer(app, sargs.shutdown_timeout, host=sargs.host, port=sargs.port,
                             log_level=sargs.uvicorn_log_level, access_log=False)
@@ -285,5 +309,6 @@ def run_server(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     dump_stacks_on_sigusr1()
-    server.run()
+    with sock:
+        server.run(sockets=[sock])
     return 0 if server.started else 1

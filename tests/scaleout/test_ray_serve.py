@@ -18,7 +18,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..server.conftest import API_KEY, MODEL, free_socket, popen_server, server_output
+from ..server.conftest import API_KEY, MODEL, bound_url, popen_server, server_output
 
 SYSTEMS = {
     "A": "You are the assistant of a small bakery. You answer in one sentence about bread, cakes and opening hours. "
@@ -52,16 +52,13 @@ class ReplicatedServer:
     """`conveyor serve --replicas 2` in its own process (and its own local Ray instance)."""
 
     def __init__(self, tiny_llama, router: str, api_key: bool = False) -> None:
-        sock = free_socket()
-        port = sock.getsockname()[1]
-        sock.close()
-        self.url = f"http://127.0.0.1:{port}"
         self.proc = popen_server([
             sys.executable, "-m", "conveyor", "serve", "--replicas", "2", "--router", router, "--replica-cpus", "1",
-            "--model", str(tiny_llama), "--served-model-name", MODEL, "--dtype", "float32", "--port", str(port),
+            "--model", str(tiny_llama), "--served-model-name", MODEL, "--dtype", "float32", "--port", "0",
             "--kv-cache-memory", "0.01", "--max-model-len", "512", "--disable-log-requests",
             "--uvicorn-log-level", "warning", *(["--api-key", API_KEY] if api_key else [])])
         self.headers = {"Authorization": f"Bearer {API_KEY}"} if api_key else {}
+        self.url = bound_url(self.proc)  # bound before Ray starts
         deadline = time.monotonic() + 240
         while True:
             assert self.proc.poll() is None, server_output(self.proc)[-5000:]

@@ -9,6 +9,8 @@ subprocess instead.
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 import socket
 import subprocess
 import tempfile
@@ -87,8 +89,31 @@ def popen_server(cmd: list[str], **kw) -> subprocess.Popen:
 
 
 def server_output(proc: subprocess.Popen) -> str:
-    proc.log_file.seek(0)
-    return proc.log_file.read()
+    """Everything the server has written so far.
+
+    With `pread`, not seek-and-read: the server writes through the same open file, so moving its
+    offset back to 0 while it runs would make its next line overwrite the start of the log."""
+    fd = proc.log_file.fileno()
+    return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
+
+
+_BOUND = re.compile(r"bound \S+:(\d+); serving there")
+
+
+def bound_url(proc: subprocess.Popen, timeout: float = 120.0) -> str:
+    """The address of a server started with `--port 0`, read from the line it logs once bound.
+
+    The port is the kernel's pick at the server's own bind, so no other process can take it in
+    between, as Ray's did to a port a test had chosen, closed and handed to a server that bound it
+    a few seconds later ("address already in use" after the replicas were up)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = _BOUND.search(server_output(proc))
+        if m:
+            return f"http://127.0.0.1:{m.group(1)}"
+        assert proc.poll() is None, server_output(proc)[-5000:]
+        assert time.monotonic() < deadline, "the server did not bind:\n" + server_output(proc)[-5000:]
+        time.sleep(0.05)
 
 
 def free_socket() -> socket.socket:

@@ -17,20 +17,17 @@ import openai
 import psutil
 import pytest
 
-from .conftest import MODEL, free_socket, popen_server, server_output
+from .conftest import MODEL, bound_url, popen_server, server_output
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process tests assume Linux")
 
 
 def start(tiny_llama, *extra: str) -> tuple[subprocess.Popen, str]:
-    sock = free_socket()
-    port = sock.getsockname()[1]
-    sock.close()
-    cmd = [sys.executable, "-m", "conveyor", "serve", "--model", str(tiny_llama), "--port", str(port),
+    cmd = [sys.executable, "-m", "conveyor", "serve", "--model", str(tiny_llama), "--port", "0",
            "--kv-cache-memory", "0.01", "--max-model-len", "512", "--served-model-name", MODEL, "--dtype", "float32",
            "--engine-loop", "process", "--shutdown-timeout", "0.5", "--log-interval", "1", *extra]
     proc = popen_server(cmd)
-    url = f"http://127.0.0.1:{port}"
+    url = bound_url(proc)
     deadline = time.monotonic() + 120
     while True:
         assert proc.poll() is None, server_output(proc)

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from .conftest import MODEL, free_socket, popen_server, run_server, server_output, slowed_steps, tiny_config
+from .conftest import MODEL, bound_url, free_socket, popen_server, run_server, server_output, slowed_steps, tiny_config
 
 
 def test_engine_death_gives_503_and_stream_errors(tiny_llama):
@@ -43,8 +43,8 @@ def test_engine_death_gives_503_and_stream_errors(tiny_llama):
         assert httpx.get(srv.url + "/metrics").status_code == 200  # still scrapeable
 
 
-def _serve(tiny_llama, port: int, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "conveyor", "serve", "--model", str(tiny_llama), "--port", str(port),
+def _serve(tiny_llama, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "conveyor", "serve", "--model", str(tiny_llama), "--port", "0",
            "--kv-cache-memory", "0.01", "--max-model-len", "512", "--served-model-name", MODEL, "--dtype", "float32",
            *extra]
     return popen_server(cmd, env={**os.environ, "CONVEYOR_API_KEY": "env-key"})
@@ -53,11 +53,8 @@ def _serve(tiny_llama, port: int, *extra: str) -> subprocess.Popen:
 def test_sigterm_drains_then_exits_0(tiny_llama):
     """SIGTERM: stop accepting, give in-flight requests --shutdown-timeout, abort the rest with a
     clean end of stream, exit 0. (SIGINT takes the same path through uvicorn's handler.)"""
-    sock = free_socket()
-    port = sock.getsockname()[1]
-    sock.close()
-    proc = _serve(tiny_llama, port, "--shutdown-timeout", "0.5")
-    url = f"http://127.0.0.1:{port}"
+    proc = _serve(tiny_llama, "--shutdown-timeout", "0.5")
+    url = bound_url(proc)
     try:
         deadline = time.monotonic() + 90
         while True:
@@ -111,3 +108,26 @@ def test_engine_is_built_in_the_thread_that_steps_it(server, client):
     assert loop.built_on == loop.stepped_on == loop.thread.ident
     out = client.completions.create(model=MODEL, prompt="hello", max_tokens=3, temperature=0)
     assert out.usage.completion_tokens == 3
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_taken_port_fails_at_once_before_the_model_or_ray_starts(tmp_path, replicas):
+    """The server binds its port first: a taken one is a one-line error (exit 2) in seconds.
+
+    The model path does not exist, so had the server loaded first it would fail on that instead;
+    and with replicas no Ray instance may have started (Ray's processes took a late-bound port)."""
+    if replicas > 1:
+        pytest.importorskip("ray")
+    taken = free_socket()
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        r = subprocess.run([sys.executable, "-m", "conveyor", "serve", "--model", str(tmp_path / "no-such-model"),
+                            "--port", str(port), "--replicas", str(replicas)],
+                           capture_output=True, text=True, timeout=120)
+    finally:
+        taken.close()
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in r.stderr and "no-such-model" not in r.stderr, r.stderr
+    assert "Ray" not in r.stdout + r.stderr
+

@@ -19,7 +19,7 @@ import pytest
 
 from conveyor.bench.stress import disconnect_storm, overload, soak
 
-from .conftest import MODEL, free_socket, popen_server, server_output
+from .conftest import MODEL, bound_url, popen_server, server_output
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RSS sampling assumes Linux")
 ARTIFACTS = Path(os.environ.get("CONVEYOR_TEST_ARTIFACTS", Path(__file__).resolve().parents[2] / "test-artifacts"))
@@ -35,14 +35,11 @@ def keep(name: str, result) -> None:
 
 class ServerProc:
     def __init__(self, tiny_llama, *extra: str) -> None:
-        sock = free_socket()
-        port = sock.getsockname()[1]
-        sock.close()
-        self.url = f"http://127.0.0.1:{port}"
         self.proc = popen_server([sys.executable, "-m", "conveyor", "serve", "--model", str(tiny_llama),
-                                  "--port", str(port), "--kv-cache-memory", "0.01", "--max-model-len", "512",
+                                  "--port", "0", "--kv-cache-memory", "0.01", "--max-model-len", "512",
                                   "--served-model-name", MODEL, "--dtype", "float32", "--disable-log-requests",
                                   "--uvicorn-log-level", "warning", *extra])
+        self.url = bound_url(self.proc)
         deadline = time.monotonic() + 120
         while True:
             assert self.proc.poll() is None, server_output(self.proc)
