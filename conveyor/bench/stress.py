@@ -190,6 +190,7 @@ class OverloadResult:
     rss_peak_mb: float | None
     rss_bound_mb: float | None
     after: dict[str, float]
+    transport_error_kinds: dict[str, int] = field(default_factory=dict)  # "ExceptionType: message" -> count
 
     def problems(self) -> list[str]:
         out = []
@@ -197,7 +198,7 @@ class OverloadResult:
         if bad:
             out.append(f"responses other than 200 and 429: {bad}")
         if self.transport_errors:
-            out.append(f"{self.transport_errors} requests failed at the transport level")
+            out.append(f"{self.transport_errors} requests failed at the transport level: {self.transport_error_kinds}")
         if self.stream_errors:
             out.append(f"{self.stream_errors} streams carried an error event or no [DONE]")
         if not self.statuses.get("200") or not self.statuses.get("429"):
@@ -224,6 +225,7 @@ async def overload(url: str, *, clients: int = 80, duration_s: float = 20.0, bur
     rng = random.Random(seed)
     statuses: Counter[str] = Counter()
     errors = {"transport": 0, "stream": 0}
+    kinds: Counter[str] = Counter()
     async with new_client(url, api_key) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
 
@@ -232,8 +234,9 @@ async def overload(url: str, *, clients: int = 80, duration_s: float = 20.0, bur
                     "max_tokens": r.randint(*max_tokens), "ignore_eos": True, "stream": r.random() < 0.5}
             try:
                 status, summary = await completion(client, body)
-            except httpx.HTTPError:
+            except httpx.HTTPError as e:
                 errors["transport"] += 1
+                kinds[f"{type(e).__name__}: {e} (stream={body['stream']})"] += 1
                 return -1
             statuses[str(status)] += 1
             if status == 200 and body["stream"] and (summary["error"] or not summary["done"]):
@@ -264,7 +267,8 @@ async def overload(url: str, *, clients: int = 80, duration_s: float = 20.0, bur
         health_p50_s=percentile(watch.health, 50), health_p99_s=percentile(watch.health, 99),
         health_max_s=max(watch.health, default=float("nan")), health_failures=watch.health_failures,
         rss_idle_mb=idle_rss / mb if idle_rss else None, rss_peak_mb=peak / mb if peak else None,
-        rss_bound_mb=idle_rss / mb + rss_headroom_mb if idle_rss else None, after=idle_gauges(after))
+        rss_bound_mb=idle_rss / mb + rss_headroom_mb if idle_rss else None, after=idle_gauges(after),
+        transport_error_kinds=dict(kinds))
 
 
 # --- disconnect storm ----------------------------------------------------------------------------------

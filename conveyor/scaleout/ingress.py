@@ -431,6 +431,7 @@ def run_replicated_server(args: argparse.Namespace) -> int:
         ingress = Ingress(handles, sargs, router, cfg.served_model_name or cfg.model)
         server = uvicorn.Server(uvicorn.Config(ingress.app, host=sargs.host, port=sargs.port, lifespan="on",
                                                log_level=sargs.uvicorn_log_level, access_log=False,
+                                               timeout_keep_alive=sargs.timeout_keep_alive,
                                                timeout_graceful_shutdown=sargs.shutdown_timeout))
         server.run(sockets=[sock])
         return 0 if server.started else 1

@@ -45,6 +45,13 @@ from conveyor.server.serving import ApiError, OpenAIServing, bad_request
 
 log = logging.getLogger("conveyor.server")
 
+# How long an idle keep-alive connection stays open. Longer than the idle expiry of the usual clients
+# (httpx, so the openai package: 5 s; Node's undici: 4 s; aiohttp: 15 s): with uvicorn's own 5 s, a
+# client could send its next request on a connection the server was closing at that moment, and
+# under load (a busy event loop fires the close late and reads the request later still) it got
+# "Server disconnected without sending a response" for a request the server never saw.
+KEEP_ALIVE_S = 20.0
+
 
 @dataclass
 class ServerArgs:
@@ -62,6 +69,7 @@ class ServerArgs:
     log_interval: float = 10.0
     disable_log_requests: bool = False
     uvicorn_log_level: str = "info"
+    timeout_keep_alive: float = KEEP_ALIVE_S
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> ServerArgs:
@@ -95,6 +103,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-interval", type=float, default=10.0, help="seconds between engine stats log lines")
     g.add_argument("--disable-log-requests", action="store_true", help="no per-request log line")
     g.add_argument("--uvicorn-log-level", default="info")
+    g.add_argument("--timeout-keep-alive", type=float, default=KEEP_ALIVE_S,
+                   help="seconds an idle keep-alive connection stays open; keep it above your clients' idle "
+                        f"expiry (httpx and openai: 5 s) (default: {KEEP_ALIVE_S:g})")
 
 
 async def read_json(request: Request, limit: int) -> dict:
@@ -256,6 +267,7 @@ class GracefulServer(uvicorn.Server):
     """
 
     def __init__(self, app: FastAPI, grace_s: float, **config_kw) -> None:
+        config_kw.setdefault("timeout_keep_alive", KEEP_ALIVE_S)
         super().__init__(uvicorn.Config(app, timeout_graceful_shutdown=grace_s + 2.0, lifespan="on", **config_kw))
         self.aengine: AsyncEngine = app.state.engine
         self.app_state = app.state
@@ -303,7 +315,8 @@ def run_server(args: argparse.Namespace) -> int:
     sock = bind_listen_socket(sargs.host, sargs.port)
     app = build_app(cfg, sargs)
     server = GracefulServer(app, sargs.shutdown_timeout, host=sargs.host, port=sargs.port,
-                            log_level=sargs.uvicorn_log_level, access_log=False)
+                            log_level=sargs.uvicorn_log_level, access_log=False,
+                            timeout_keep_alive=sargs.timeout_keep_alive)
     # uvicorn re-raises the signal it caught once its graceful shutdown is done; with these no-op
     # handlers in place underneath its own, that re-raise is swallowed and we return 0.
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -61,7 +61,7 @@ class ServerProc:
 
     def check(self, problems: list[str]) -> None:
         assert self.proc.poll() is None, "the server died:\n" + server_output(self.proc)[-3000:]
-        assert not problems, problems
+        assert not problems, f"{problems}\nthe server's log ends:\n{server_output(self.proc)[-3000:]}"
 
 
 def test_overload_gives_only_200_or_429(tiny_llama):
