@@ -133,7 +133,6 @@ def test_a_taken_port_fails_at_once_before_the_model_or_ray_starts(tmp_path, rep
     assert "Ray" not in r.stdout + r.stderr
 
 
-
 def _http_get(sock: socket.socket, path: str) -> bytes:
     """One GET on an open connection; the response's status line, or b"" if the server had closed it."""
     sock.sendall(f"GET {path} HTTP/1.1\r\nHost: test\r\n\r\n".encode())
@@ -146,7 +145,10 @@ def _http_get(sock: socket.socket, path: str) -> bytes:
     head, body = data.split(b"\r\n\r\n", 1)
     length = int(next(h.split(b":")[1] for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")))
     while len(body) < length:
-        body += sock.recv(65536)
+        chunk = sock.recv(65536)
+        if not chunk:  # closed mid-body: not a response
+            return b""
+        body += chunk
     return head.split(b"\r\n")[0]
 
 
