@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
 
     serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
     add_engine_args(serve)
-    from conveyor.server.api_server import add_server_args
+    from conveyor.server.args import add_server_args
 
     add_server_args(serve)
     from conveyor.scaleout.ingress import add_scaleout_args
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                 from conveyor.scaleout.ingress import run_replicated_server
 
                 return run_replicated_server(args)
-            from conveyor.server.api_server import run_server
+            from conveyor.server.launch import run_server
 
             return run_server(args)
     except ValueError as e:

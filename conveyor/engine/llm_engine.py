@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from conveyor import startup
 from conveyor.config import EngineConfig
 from conveyor.engine.draft import DraftProposer
 from conveyor.engine.output_processor import Detokenizer, apply_stop, make_delta
@@ -152,6 +153,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         t0 = time.perf_counter()
+        startup.phase(startup.LOADING_WEIGHTS, config.model)
         ckpt = load_checkpoint(config.model, config.tokenizer, config.quantization)
         self.tokenizer = ckpt.tokenizer
         self.model_config = ckpt.config

@@ -127,6 +127,9 @@ def _build(name: str, build_dir: Path, files: list[Path]) -> ModuleType:
     src.mkdir(exist_ok=True)
     for f in files:
         shutil.copyfile(f, src / f.name)
+    from conveyor import startup
+
+    startup.phase(startup.COMPILING_KERNELS)
     log.info("compiling the CPU kernels for this machine (once, about a minute; cached in %s)", build_dir)
     module = build(name=name, sources=[str(src / f.name) for f in files if f.suffix == ".cpp"],
                    extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import torch
 
+from conveyor import startup
 from conveyor.config import EngineConfig
 from conveyor.engine.structured_output import GrammarMask
 from conveyor.model.attention import KV_SCALE_DTYPE, build_metadata, cache_shapes, choose_backend, scale_shape
@@ -148,6 +149,7 @@ class ModelRunner:
         self._pool_buffers = []  # unmapped once the old tensors are gone
         self.pool_key = None
         gc.collect()
+        startup.phase(startup.ALLOCATING_KV)
         self.num_blocks = self._num_blocks(config)
         self.block_size = config.block_size
         self.pool_key = self.kv_pool_key(config)
@@ -161,6 +163,7 @@ class ModelRunner:
             self.kv_caches = [(self._zeros(k_shape, self.dtype), self._zeros(v_shape, self.dtype))
                               for _ in range(cfg.num_layers)]
         if config.kv_cache_populate:
+            startup.phase(startup.FILLING_KV)
             self.populate_kv()
         log.info("KV cache: %s, %d blocks of %d tokens = %d tokens (%.2f GiB)", self.kv_dtype_name,
                  self.num_blocks, self.block_size, self.num_blocks * self.block_size,

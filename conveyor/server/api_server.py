@@ -11,17 +11,11 @@ and formats. Errors always use OpenAI's {"error": {...}} body.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import hmac
 import json
 import logging
-import os
-import signal
-import socket
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, fields
 
-import uvicorn
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
@@ -34,79 +28,20 @@ from conveyor.engine.engine_loop import (
     InlineEngineClient,
     ProcessEngineClient,
     ThreadEngineClient,
-    dump_stacks_on_sigusr1,
 )
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.server import protocol as P
+from conveyor.server.args import KEEP_ALIVE_S, ServerArgs, add_server_args
 from conveyor.server.async_engine import AsyncEngine
 from conveyor.server.dashboard import DashboardHub, dashboard_html, dashboard_setup
+from conveyor.server.launch import GracefulServer, bind_listen_socket, run_server
 from conveyor.server.metrics import CONTENT_TYPE, ServerMetrics
 from conveyor.server.serving import ApiError, OpenAIServing, bad_request
 
+__all__ = ["KEEP_ALIVE_S", "ServerArgs", "add_server_args", "GracefulServer", "bind_listen_socket", "run_server",
+           "build_app", "make_client", "read_json"]
+
 log = logging.getLogger("conveyor.server")
-
-# How long an idle keep-alive connection stays open. Longer than the idle expiry of the usual clients
-# (httpx, so the openai package: 5 s; Node's undici: 4 s; aiohttp: 15 s): with uvicorn's own 5 s, a
-# client could send its next request on a connection the server was closing at that moment, and
-# under load (a busy event loop fires the close late and reads the request later still) it got
-# "Server disconnected without sending a response" for a request the server never saw.
-KEEP_ALIVE_S = 20.0
-
-
-@dataclass
-class ServerArgs:
-    """The server's own knobs (engine knobs live in `EngineConfig`)."""
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    max_queued_requests: int | None = 1024
-    max_queued_tokens: int | None = None
-    engine_loop: str = "thread"  # thread | process | inline (see conveyor/engine/engine_loop.py)
-    max_request_bytes: int = 8 * 2**20
-    shutdown_timeout: float = 10.0
-    request_timeout: float | None = None
-    log_interval: float = 10.0
-    disable_log_requests: bool = False
-    uvicorn_log_level: str = "info"
-    timeout_keep_alive: float = KEEP_ALIVE_S
-
-    @classmethod
-    def from_namespace(cls, ns: argparse.Namespace) -> ServerArgs:
-        return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)})
-
-
-def add_server_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--served-model-name", default=None,
-                   help="the model name clients send and see (default: the --model value)")
-    g.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 (default: $CONVEYOR_API_KEY)")
-    g.add_argument("--max-queued-requests", type=int, default=1024,
-                   help="waiting sequences beyond which new requests get 429 with Retry-After (default: 1024)")
-    g.add_argument("--max-queued-tokens", type=int, default=None,
-                   help="prompt tokens of requests not yet started (queued or in prefill) beyond which new "
-                        "requests get 429 with Retry-After; bounds what a burst of long prompts holds (default: "
-                        "no limit besides --max-queued-requests)")
-    g.add_argument("--engine-loop", default="thread", choices=["thread", "process", "inline"],
-                   help="where the engine loop runs: a thread of the server process, its own process, or the "
-                        "event loop itself (the naive design, for comparison); docs/engine-loop.md has the "
-                        "measurements behind the default (default: thread)")
-    g.add_argument("--max-request-bytes", type=int, default=8 * 2**20, help="larger bodies get 413")
-    g.add_argument("--shutdown-timeout", type=float, default=10.0,
-                   help="seconds in-flight requests get to finish on SIGTERM/SIGINT before they are aborted")
-    g.add_argument("--request-timeout", type=float, default=None,
-                   help="seconds from arrival after which a request still running is aborted and its blocks freed: "
-                        "408 request_timeout, or an error event in its stream (default: none)")
-    g.add_argument("--log-interval", type=float, default=10.0, help="seconds between engine stats log lines")
-    g.add_argument("--disable-log-requests", action="store_true", help="no per-request log line")
-    g.add_argument("--uvicorn-log-level", default="info")
-    g.add_argument("--timeout-keep-alive", type=float, default=KEEP_ALIVE_S,
-                   help="seconds an idle keep-alive connection stays open; keep it above your clients' idle "
-                        f"expiry (httpx and openai: 5 s) (default: {KEEP_ALIVE_S:g})")
-
 
 async def read_json(request: Request, limit: int) -> dict:
     """The body as a JSON object: 413 past `limit` bytes, 400 unless it parses to an object."""
@@ -257,71 +192,3 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
     return app
 
 
-class GracefulServer(uvicorn.Server):
-    """uvicorn, plus a clean end for in-flight requests on SIGTERM/SIGINT.
-
-    uvicorn stops accepting and waits `timeout_graceful_shutdown` for open connections, then
-    cancels them mid-body. Here requests get `grace_s` seconds to finish, then the engine aborts
-    them with finish_reason "abort" (streams still end with [DONE]); uvicorn's own timeout is a
-    little longer so it only ever has finished responses to wait for.
-    """
-
-    def __init__(self, app: FastAPI, grace_s: float, **config_kw) -> None:
-        config_kw.setdefault("timeout_keep_alive", KEEP_ALIVE_S)
-        super().__init__(uvicorn.Config(app, timeout_graceful_shutdown=grace_s + 2.0, lifespan="on", **config_kw))
-        self.aengine: AsyncEngine = app.state.engine
-        self.app_state = app.state
-        self.grace_s = grace_s
-
-    async def shutdown(self, *args, **kwargs) -> None:
-        self.app_state.dashboard.close()  # dashboard streams never end by themselves
-        drain = asyncio.ensure_future(self.aengine.abort_all_after(self.grace_s))
-        try:
-            await super().shutdown(*args, **kwargs)
-        finally:
-            drain.cancel()
-
-
-def bind_listen_socket(host: str, port: int) -> socket.socket:
-    """Bind the server's address before the slow part of startup (loading weights, starting replicas).
-
-    Binding late leaves the port free for the tens of seconds a model or a Ray cluster takes to come
-    up, and Ray's own processes open sockets on ports the kernel picks in that window: the server
-    then died at the very end with "address already in use". Binding first also makes a taken
-    port fail in a second instead of after the load, and `--port 0` picks a free one. The socket is
-    not inheritable, so neither the engine process nor Ray's workers hold it open after we exit."""
-    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT leftovers do not block
-    try:
-        sock.bind(addr)
-    except OSError as e:  # a ValueError: the CLI reports it in one line, as it does a bad flag
-        sock.close()
-        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror} (another server there? pick --port)") from None
-    # the real port, which `--port 0` only tells here (and scripts that start a server read it from this line)
-    bound = sock.getsockname()[1]
-    log.info("bound %s:%d; serving there as soon as the engine is up", host, bound)
-    return sock
-
-
-def run_server(args: argparse.Namespace) -> int:
-    """Serve until SIGTERM/SIGINT; in-flight requests get `--shutdown-timeout` seconds, then exit 0."""
-    from conveyor.cli import engine_config_from_args
-
-    if getattr(args, "log_level", "WARNING").upper() == "WARNING":  # the CLI default: a server logs at INFO
-        logging.getLogger("conveyor").setLevel(logging.INFO)
-    cfg = engine_config_from_args(args, populate_default=True, served_model_name=args.served_model_name)
-    sargs = ServerArgs.from_namespace(args)
-    sock = bind_listen_socket(sargs.host, sargs.port)
-    app = build_app(cfg, sargs)
-    server = GracefulServer(app, sargs.shutdown_timeout, host=sargs.host, port=sargs.port,
-                            log_level=sargs.uvicorn_log_level, access_log=False,
-                            timeout_keep_alive=sargs.timeout_keep_alive)
-    # uvicorn re-raises the signal it caught once its graceful shutdown is done; with these no-op
-    # handlers in place underneath its own, that re-raise is swallowed and we return 0.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: None)
-    dump_stacks_on_sigusr1()
-    with sock:
-        server.run(sockets=[sock])
-    return 0 if server.started else 1
