@@ -24,7 +24,7 @@ from pathlib import Path
 
 from conveyor.bench.stress import add_stress_parser, cmd_stress
 from conveyor.bench.workloads import WORKLOADS, WorkloadSpec
-from conveyor.cli import add_engine_args, document, engine_config_from_args
+from conveyor.cli import CliParser, add_engine_args, document, engine_config_from_args
 
 log = logging.getLogger("conveyor.bench")
 
@@ -89,29 +89,35 @@ def lab_engine_config(args: argparse.Namespace):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="conveyor bench", description=__doc__,
+    parser = CliParser(prog="conveyor bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command")
 
-    run = sub.add_parser("run", parents=[common], help="drive one server or engine with one load and report")
-    target = run.add_mutually_exclusive_group()
-    target.add_argument("--url", default="http://127.0.0.1:8000", help="a running server (default)")
-    target.add_argument("--in-process", action="store_true", help="load the engine here instead of using --url")
-    run.add_argument("--served-model", default=None, help="HTTP: the model name to send (default: /v1/models)")
-    run.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY") or os.environ.get("CONVEYOR_API_KEY"),
+    run = sub.add_parser("run", parents=[common], help="drive one server or engine with one load and report",
+                         usage="%(prog)s [--url URL | --in-process] [options]",
+                         description="Drive a running server (--url, the default) or an engine loaded here "
+                                     "(--in-process) with one load, and report its throughput and latencies.")
+    client = run.add_argument_group("client (a running server, or --in-process)")
+    target = client.add_mutually_exclusive_group()
+    target.add_argument("--url", default="http://127.0.0.1:8000", help="the server to drive")
+    target.add_argument("--in-process", action="store_true",
+                        help="load the engine in this process (the 'in-process engine' flags below) instead of "
+                             "driving --url")
+    client.add_argument("--served-model", default=None, help="HTTP: the model name to send (default: /v1/models)")
+    client.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY") or os.environ.get("CONVEYOR_API_KEY"),
                      help="HTTP: sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY, else "
                           "$CONVEYOR_API_KEY, else none)")
-    run.add_argument("--server-pid", type=int, default=None,
+    client.add_argument("--server-pid", type=int, default=None,
                      help="HTTP: the server's pid for CPU accounting (default: whoever listens on the port)")
-    loop = run.add_mutually_exclusive_group()
+    loop = client.add_mutually_exclusive_group()
     loop.add_argument("--concurrency", type=int, default=None, help="closed loop: requests in flight")
     loop.add_argument("--request-rate", type=_rate, default=float("inf"),
                       help="open loop: Poisson arrivals per second (default inf: all at once)")
-    run.add_argument("--out", type=Path, default=None, help="write the result JSON here")
+    client.add_argument("--out", type=Path, default=None, help="write the result JSON here")
     add_workload_args(run)
-    add_engine_args(run)
+    add_engine_args(run, title_prefix="in-process ")
 
     cmp_ = sub.add_parser("compare", parents=[common],
                           help="every strategy plus no batching, one workload, a Markdown report")
