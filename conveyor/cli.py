@@ -215,13 +215,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from conveyor.sampling_params import SamplingParams
 
     cfg = engine_config_from_args(args)
-    llm = LLM(**{k: v for k, v in vars(cfg).items()})
+    llm = LLM(use_tqdm_on_load=args.progress, **{k: v for k, v in vars(cfg).items()})
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.sampling_seed)
     if args.chat:
-        outs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
+        outs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=args.progress)
     else:
-        outs = llm.generate([args.prompt], params, use_tqdm=False)
+        outs = llm.generate([args.prompt], params, use_tqdm=args.progress)
     print(outs[0].outputs[0].text)
     return 0
 
@@ -271,6 +271,8 @@ def build_parser() -> CliParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--no-progress", dest="progress", action="store_false",
+                     help="no loading and generation progress on stderr (the text alone on stdout)")
     add_engine_args(gen)
 
     serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server", usage="%(prog)s [options]",

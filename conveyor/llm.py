@@ -15,13 +15,18 @@ from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.output_processor import RequestOutputBuilder, request_metrics
 from conveyor.outputs import RequestOutput
 from conveyor.sampling_params import SamplingParams
+from conveyor.startup import loading_progress
 
 PromptType = str | dict | list[int]
 
 
 class LLM:
-    def __init__(self, model: str = "smollm2-135m", **kwargs) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+    def __init__(self, model: str = "smollm2-135m", use_tqdm_on_load: bool = True, **kwargs) -> None:
+        """`use_tqdm_on_load` (vLLM's name): show what the load is doing (weights, a first kernel compile, the KV
+        pool) on stderr while it runs. The model is built on this thread, which also steps it."""
+        config = EngineConfig(model=model, **kwargs)
+        with loading_progress(f"Loading {model}", enabled=use_tqdm_on_load):
+            self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
 
     def get_tokenizer(self):
@@ -73,7 +78,9 @@ class LLM:
             gid = reqs[0].group_id
             builders[gid] = RequestOutputBuilder(gid, sp.n, text, ids, logprobs=sp.logprobs is not None)
             requests[gid] = reqs
-        self._run(builders, use_tqdm)
+        # one request: a bar of its tokens (up to max_tokens); several: a bar of finished requests
+        tokens = param_list[0].max_tokens * param_list[0].n if len(builders) == 1 and param_list[0].max_tokens else None
+        self._run(builders, use_tqdm, tokens)
         outs = []
         for gid, b in builders.items():
             b.metrics = request_metrics(requests[gid])
@@ -101,15 +108,18 @@ class LLM:
                                                  tokenize=True)
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 
-    def _run(self, builders: dict[str, RequestOutputBuilder], use_tqdm: bool) -> None:
-        """Step until every request is done, feeding each step's deltas to its request's builder."""
+    def _run(self, builders: dict[str, RequestOutputBuilder], use_tqdm: bool, max_tokens: int | None = None) -> None:
+        """Step until every request is done, feeding each step's deltas to its request's builder.
+        `max_tokens`: one request's most output tokens, for a bar of tokens rather than of requests."""
         total = sum(len(b.outputs) for b in builders.values())
         self.engine.end_input()  # offline: a static batcher may run its last, partial batch
         bar = None
-        if use_tqdm and total > 1:
+        by_tokens = total == 1 and max_tokens is not None
+        if use_tqdm and (total > 1 or by_tokens):
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=total, desc="Processed requests", unit="req", dynamic_ncols=True)
+            bar = (tqdm(total=max_tokens, desc="Generating", unit="tok", dynamic_ncols=True) if by_tokens
+                   else tqdm(total=total, desc="Processed requests", unit="req", dynamic_ncols=True))
         start, out_tokens = time.monotonic(), 0
         try:
             while self.engine.has_unfinished_requests():
@@ -118,7 +128,8 @@ class LLM:
                     builders[d.group_id].add(d)
                 out_tokens += sum(len(d.new_token_ids) for d in deltas)
                 if bar is not None:
-                    done = sum(1 for d in deltas if d.finished)
+                    new = sum(len(d.new_token_ids) for d in deltas)
+                    done = new if by_tokens else sum(1 for d in deltas if d.finished)
                     bar.set_postfix_str(f"output {out_tokens / max(time.monotonic() - start, 1e-9):.1f} tok/s",
                                         refresh=False)
                     bar.update(done)

@@ -13,8 +13,11 @@ No imports beyond the standard library: the server reads it before torch is impo
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 LOADING_WEIGHTS = "loading weights"
@@ -54,3 +57,40 @@ progress = StartupProgress()
 def phase(name: str, detail: str = "") -> None:
     """Say that loading has entered `name` (one of the constants above, or a short free text)."""
     progress.set(name, detail)
+
+
+@contextlib.contextmanager
+def loading_progress(desc: str, enabled: bool = True, interval_s: float = 0.25) -> Iterator[None]:
+    """A tqdm line on stderr while the block loads an engine on this thread: the phase it is in and the time so
+    far (`Loading smollm2-135m: loading weights [00:03]`), then how long the whole load took. A watcher thread
+    draws it, since the loading thread is busy (and must be the one that builds the model)."""
+    if not enabled:
+        yield
+        return
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=None, desc=desc, bar_format="{desc}: {postfix} [{elapsed}]", file=sys.stderr,
+               dynamic_ncols=True)
+    progress.set(STARTING)
+    done = threading.Event()
+
+    def watch() -> None:
+        shown = None
+        while not done.wait(interval_s):
+            ph = progress.current()
+            if ph.name != shown:
+                shown = ph.name
+                bar.set_postfix_str(ph.name, refresh=False)
+            bar.refresh()
+
+    watcher = threading.Thread(target=watch, name="conveyor-load-progress", daemon=True)
+    watcher.start()
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        done.set()
+        watcher.join()
+        bar.set_postfix_str("ready" if ok else "failed", refresh=False)
+        bar.close()

@@ -195,3 +195,21 @@ def test_stop_token_adds_no_text(llm):
     assert out.finish_reason == "stop" and out.stop_reason == stop_tok
     assert out.token_ids[-1] == stop_tok
     assert out.text == llm.get_tokenizer().decode(out.token_ids[:-1], skip_special_tokens=True)
+
+
+# --- feedback on long steps ------------------------------------------------------------------------
+
+def test_loading_and_generating_show_progress_unless_told_not_to(tiny_llama, capsys):
+    capsys.readouterr()
+    quiet = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=16, max_model_len=MAX_LEN, use_tqdm_on_load=False)
+    quiet.generate("Hello", greedy(4), use_tqdm=False)
+    assert capsys.readouterr().err == ""
+    llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=16, max_model_len=MAX_LEN)
+    err = capsys.readouterr().err
+    assert f"Loading {tiny_llama}" in err and "ready" in err, err
+    out = llm.generate("Hello", greedy(6))
+    err = capsys.readouterr().err
+    assert "Generating" in err and "6/6" in err and "tok" in err, err
+    assert len(out[0].outputs[0].token_ids) == 6
+    llm.generate(["Hello", "Hi"], greedy(2))
+    assert "Processed requests" in capsys.readouterr().err

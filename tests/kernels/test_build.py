@@ -1,4 +1,6 @@
-"""Without a working compiler the kernels are skipped with one clear log line, and attention falls back."""
+"""The installed build loads the variant this CPU runs (or the one CONVEYOR_CPU_VARIANT names); the first-use
+build (CONVEYOR_KERNELS=jit, or no installed build) caches its result; without a working compiler the kernels
+are skipped with one clear log line, and attention falls back."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from conveyor.model.attention import choose_backend
 print("package:", conveyor.__file__)
 print("module:", kernels.load())
 print("backend:", choose_backend("auto", torch.device("cpu"), torch.bfloat16, 9, 3, 64))
+print("variant:", kernels.variant())
 """
 
 
@@ -26,8 +29,15 @@ def run_probe(tmp_path, cwd=None, **env) -> subprocess.CompletedProcess:
                           cwd=cwd)
 
 
+def installed() -> list[str]:
+    from conveyor import kernels
+
+    kernels.load()
+    return kernels.installed_variants()
+
+
 def test_no_compiler_falls_back_to_the_reference(tmp_path):
-    proc = run_probe(tmp_path, CXX="/bin/false", CC="/bin/false")
+    proc = run_probe(tmp_path, CXX="/bin/false", CC="/bin/false", CONVEYOR_KERNELS="jit")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "module: None" in proc.stdout and "backend: torch" in proc.stdout
     warnings = [line for line in proc.stderr.splitlines() if "compiled CPU kernels unavailable" in line]
@@ -51,7 +61,12 @@ def built_cache(tmp_path) -> tuple[str, os.PathLike]:
     module = kernels.load()
     if module is None:
         pytest.skip("no compiled kernels on this machine")
-    src = Path(module.__file__).parent
+    if kernels.variant() != kernels.JIT_VARIANT:  # the installed build: find this machine's first-use build
+        src = kernels.jit_cache_dir()
+        if not (src / "built").exists():
+            pytest.skip("no first-use (JIT) build of these sources in this machine's cache (the installed one is used)")
+    else:
+        src = Path(module.__file__).parent
     dst = tmp_path / "cache" / "kernels" / src.name
     dst.mkdir(parents=True)
     for f in (f"{src.name}.so", "built"):
@@ -65,7 +80,7 @@ def test_a_stale_torch_lock_file_does_not_block_loading(tmp_path):
     without it."""
     name, folder = built_cache(tmp_path)
     (folder / "lock").touch()
-    proc = run_probe(tmp_path / "cache", CXX="/bin/false")  # and nothing is compiled again
+    proc = run_probe(tmp_path / "cache", CXX="/bin/false", CONVEYOR_KERNELS="jit")  # and nothing is compiled again
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"module: <module '{name}'" in proc.stdout, proc.stdout + proc.stderr[-2000:]
     assert "compiling" not in proc.stderr
@@ -82,7 +97,22 @@ def test_another_checkout_uses_the_same_build(tmp_path):
     name, _ = built_cache(tmp_path)
     shutil.copytree(Path(conveyor.__file__).parent, tmp_path / "checkout" / "conveyor",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    proc = run_probe(tmp_path / "cache", cwd=tmp_path / "checkout", CXX="/bin/false")
+    proc = run_probe(tmp_path / "cache", cwd=tmp_path / "checkout", CXX="/bin/false", CONVEYOR_KERNELS="jit")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"package: {tmp_path / 'checkout' / 'conveyor'}" in proc.stdout, proc.stdout
     assert f"module: <module '{name}'" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+
+
+def test_the_installed_build_runs_the_best_variant_or_the_one_asked_for(tmp_path):
+    variants = installed()
+    if not variants:
+        pytest.skip("no installed kernel build (pip install -e . makes one)")
+    proc = run_probe(tmp_path, CXX="/bin/false")  # nothing to compile: the installed build is used
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"variant: {variants[0]}" in proc.stdout and "backend: kernel" in proc.stdout, proc.stdout
+    assert "compiling" not in proc.stderr
+    proc = run_probe(tmp_path, CXX="/bin/false", CONVEYOR_CPU_VARIANT=variants[-1])
+    assert f"variant: {variants[-1]}" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    proc = run_probe(tmp_path, CXX="/bin/false", CONVEYOR_CPU_VARIANT="z80")
+    assert f"variant: {variants[0]}" in proc.stdout, proc.stdout
+    assert "CONVEYOR_CPU_VARIANT=z80 is not built" in proc.stderr

@@ -2,9 +2,7 @@
 // temporaries) per layer with one pass over the rows. Numerics follow the model's torch reference
 // (conveyor/model/llama.py) step by step: fp32 inside, rounded to the model dtype where it rounds.
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-
+#include "kernel_api.h"
 #include "vec_math.h"
 
 #include <cmath>
@@ -13,6 +11,8 @@
 #include <cstring>
 #include <limits>
 
+namespace conveyor {
+namespace CONVEYOR_VARIANT {
 namespace {
 
 #ifdef __AVX512F__
@@ -26,12 +26,12 @@ inline __m512 silu16(__m512 gv) {
 using conveyor::exp_approx;
 
 inline float f32(float x) { return x; }
-inline float f32(at::BFloat16 x) { return static_cast<float>(x); }
+inline float f32(bf16 x) { return static_cast<float>(x); }
 
 // residual (optional) += x; x = weight * to_dtype(residual * rsqrt(mean(residual^2) + eps))
 template <typename T>
 void rms_norm_impl(T* x, T* residual, const T* w, int64_t rows, int64_t dim, float eps, T* out) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       T* xr = x + r * dim;
       T* src = xr;
@@ -60,7 +60,7 @@ template <typename T>
 void rope_impl(T* x, int64_t tokens, int64_t heads, int64_t dim, int64_t stride_t, const float* cos,
                const float* sin) {
   const int64_t half = dim / 2;
-  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* c = cos + t * half;
       const float* s = sin + t * half;
@@ -79,7 +79,7 @@ void rope_impl(T* x, int64_t tokens, int64_t heads, int64_t dim, int64_t stride_
 // out [T, I] = silu(gate) * up, with gate_up [T, 2I]; silu rounds to the dtype first, as torch does.
 template <typename T>
 void silu_mul_impl(const T* gu, T* out, int64_t rows, int64_t inter) {
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* g = gu + r * 2 * inter;
       const T* u = g + inter;
@@ -101,74 +101,36 @@ void silu_mul_impl(const T* gu, T* out, int64_t rows, int64_t inter) {
   });
 }
 
-}  // namespace
-
-// x: [T, dim] contiguous. With residual: residual += x, then out = norm(residual). Returns out.
-torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps) {
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && x.scalar_type() == weight.scalar_type());
-  auto out = torch::empty_like(x);
-  const int64_t dim = x.size(-1), rows = x.numel() / dim;
-  if (residual.has_value()) TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes());
-  if (x.scalar_type() == at::kFloat) {
-    rms_norm_impl<float>(x.data_ptr<float>(), residual ? residual->data_ptr<float>() : nullptr,
-                         weight.data_ptr<float>(), rows, dim, static_cast<float>(eps), out.data_ptr<float>());
-  } else if (x.scalar_type() == at::kBFloat16) {
-    rms_norm_impl<at::BFloat16>(x.data_ptr<at::BFloat16>(),
-                                residual ? residual->data_ptr<at::BFloat16>() : nullptr,
-                                weight.data_ptr<at::BFloat16>(), rows, dim, static_cast<float>(eps),
-                                out.data_ptr<at::BFloat16>());
+// x: [T, dim] contiguous. With residual: residual += x, then out = norm(residual).
+void rms_norm(DType dt, void* x, void* residual, const void* w, int64_t rows, int64_t dim, float eps, void* out) {
+  if (dt == DType::F32) {
+    rms_norm_impl<float>(static_cast<float*>(x), static_cast<float*>(residual), static_cast<const float*>(w), rows,
+                         dim, eps, static_cast<float*>(out));
   } else {
-    TORCH_CHECK(false, "rms_norm: dtype not supported");
+    rms_norm_impl<bf16>(static_cast<bf16*>(x), static_cast<bf16*>(residual), static_cast<const bf16*>(w), rows, dim,
+                        eps, static_cast<bf16*>(out));
   }
-  return out;
 }
 
 // x: [T, H, D] with D contiguous and heads adjacent (a column slice of the qkv output is fine).
-void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
-  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2));
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat);
-  if (x.scalar_type() == at::kFloat) {
-    rope_impl<float>(x.data_ptr<float>(), x.size(0), x.size(1), x.size(2), x.stride(0), cos.data_ptr<float>(),
-                     sin.data_ptr<float>());
-  } else if (x.scalar_type() == at::kBFloat16) {
-    rope_impl<at::BFloat16>(x.data_ptr<at::BFloat16>(), x.size(0), x.size(1), x.size(2), x.stride(0),
-                            cos.data_ptr<float>(), sin.data_ptr<float>());
-  } else {
-    TORCH_CHECK(false, "rope_: dtype not supported");
-  }
+void rope(DType dt, void* x, int64_t tokens, int64_t heads, int64_t dim, int64_t stride_t, const float* cos,
+          const float* sin) {
+  if (dt == DType::F32) rope_impl<float>(static_cast<float*>(x), tokens, heads, dim, stride_t, cos, sin);
+  else rope_impl<bf16>(static_cast<bf16*>(x), tokens, heads, dim, stride_t, cos, sin);
 }
 
-torch::Tensor silu_and_mul(torch::Tensor gate_up) {
-  TORCH_CHECK(gate_up.is_contiguous());
-  const int64_t inter = gate_up.size(-1) / 2, rows = gate_up.numel() / gate_up.size(-1);
-  auto sizes = gate_up.sizes().vec();
-  sizes.back() = inter;
-  auto out = torch::empty(sizes, gate_up.options());
-  if (gate_up.scalar_type() == at::kFloat) {
-    silu_mul_impl<float>(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, inter);
-  } else if (gate_up.scalar_type() == at::kBFloat16) {
-    silu_mul_impl<at::BFloat16>(gate_up.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), rows, inter);
-  } else {
-    TORCH_CHECK(false, "silu_and_mul: dtype not supported");
-  }
-  return out;
+void silu_and_mul(DType dt, const void* gate_up, void* out, int64_t rows, int64_t inter) {
+  if (dt == DType::F32) silu_mul_impl<float>(static_cast<const float*>(gate_up), static_cast<float*>(out), rows, inter);
+  else silu_mul_impl<bf16>(static_cast<const bf16*>(gate_up), static_cast<bf16*>(out), rows, inter);
 }
 
-// Structured outputs: logits[rows[j], t] = -inf wherever bit t % 32 of bits[j, t / 32] is 0 (tokens past the
-// mask's end are banned too). logits: [B, V] float32 contiguous; bits: [R, W] int32; rows: [R] int64.
-// A plain scan: most words are all-ones or all-zeros, and the torch reference (unpack 32x, masked_fill)
-// moves 32 bytes per logit where this touches each once.
-void apply_token_bitmask_(torch::Tensor logits, torch::Tensor bits, torch::Tensor rows) {
-  TORCH_CHECK(logits.is_contiguous() && logits.scalar_type() == at::kFloat && logits.dim() == 2);
-  TORCH_CHECK(bits.is_contiguous() && bits.scalar_type() == at::kInt && rows.scalar_type() == at::kLong);
-  const int64_t V = logits.size(1), W = bits.size(1), R = bits.size(0);
-  TORCH_CHECK(rows.numel() == R);
+// Structured outputs: logits[rows[j], t] = -inf wherever bit t % 32 of words[j, t / 32] is 0 (tokens past the
+// mask's end are banned too); row ids are checked by the caller. A plain scan: most words are all-ones or
+// all-zeros, and the torch reference (unpack 32x, masked_fill) moves 32 bytes per logit where this touches
+// each once.
+void apply_token_bitmask(float* base, int64_t V, const uint32_t* words, int64_t W, int64_t R, const int64_t* row_ids) {
   const float ninf = -std::numeric_limits<float>::infinity();
-  float* base = logits.data_ptr<float>();
-  const uint32_t* words = reinterpret_cast<const uint32_t*>(bits.data_ptr<int32_t>());
-  const int64_t* row_ids = rows.data_ptr<int64_t>();
   for (int64_t j = 0; j < R; ++j) {
-    TORCH_CHECK(row_ids[j] >= 0 && row_ids[j] < logits.size(0));
     float* row = base + row_ids[j] * V;
     const uint32_t* w = words + j * W;
     for (int64_t k = 0; k < W && k * 32 < V; ++k) {
@@ -181,3 +143,15 @@ void apply_token_bitmask_(torch::Tensor logits, torch::Tensor bits, torch::Tenso
     for (int64_t t = W * 32; t < V; ++t) row[t] = ninf;
   }
 }
+
+}  // namespace
+
+void register_fused_ops(Table& t) {
+  t.rms_norm = &rms_norm;
+  t.rope = &rope;
+  t.silu_and_mul = &silu_and_mul;
+  t.apply_token_bitmask = &apply_token_bitmask;
+}
+
+}  // namespace CONVEYOR_VARIANT
+}  // namespace conveyor

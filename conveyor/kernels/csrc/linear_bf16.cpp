@@ -13,28 +13,23 @@
 // Weight layout ("packed"): [N/16][K/2][16][2] bf16: for each block of 16 output columns, the K pairs in
 // order, each pair of the 16 columns as one 64-byte vector (the operand vdpbf16ps takes).
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+// Compiled into the variants whose -march has AVX-512 BF16 only; elsewhere the Table's entry stays null and
+// linear_bf16_available() says false. The packing (a view + permute) is torch code, in bindings.cpp.
+
+#include "kernel_api.h"
 
 #include <algorithm>
 #include <cstdint>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
-#include <omp.h>
 #define CONVEYOR_HAS_DPBF16 1
 #else
 #define CONVEYOR_HAS_DPBF16 0
 #endif
 
-bool linear_bf16_available() { return CONVEYOR_HAS_DPBF16; }
-
-torch::Tensor linear_bf16_pack(torch::Tensor w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "linear_bf16_pack: a 2-D bf16 weight is needed");
-  int64_t n = w.size(0), k = w.size(1);
-  TORCH_CHECK(n % 16 == 0 && k % 2 == 0, "linear_bf16_pack: N must be a multiple of 16 and K even, got ", n, "x", k);
-  return w.contiguous().view({n / 16, 16, k / 2, 2}).permute({0, 2, 1, 3}).contiguous();
-}
+namespace conveyor {
+namespace CONVEYOR_VARIANT {
 
 #if CONVEYOR_HAS_DPBF16
 namespace {
@@ -89,44 +84,38 @@ void rows(int r, const uint32_t* x, int64_t kp, const uint16_t* w, int64_t b0, i
 }
 
 }  // namespace
-#endif
 
-// out [M, N] = x [M, K] @ W^T, x and W in bf16 (W packed by linear_bf16_pack), fp32 accumulation.
-torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed) {
-#if CONVEYOR_HAS_DPBF16
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
-              "linear_bf16: x must be a 2-D bf16 CPU tensor");
-  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.device().is_cpu() &&
-                  packed.dim() == 4 && packed.size(3) == 2,
-              "linear_bf16: the weight must come from linear_bf16_pack");
-  TORCH_CHECK(packed.dim() == 4 && packed.size(1) * 2 == x.size(1) && packed.size(2) == 16, "linear_bf16: x and the packed weight disagree on K");
-  x = x.contiguous();
-  const int64_t m = x.size(0), k = x.size(1), nblk = packed.size(0), n = nblk * 16, kp = k / 2;
-  auto out = torch::empty({m, n}, x.options());
-  if (m == 0) return out;
-  auto xd = reinterpret_cast<const uint32_t*>(x.data_ptr());
-  auto wd = reinterpret_cast<const uint16_t*>(packed.data_ptr());
-  auto od = reinterpret_cast<uint16_t*>(out.data_ptr());
-  // torch's thread count (`--threads`), not OpenMP's default for the calling thread
-#pragma omp parallel num_threads(at::get_num_threads())
-  {
-    // each thread owns an equal share of the 16-column blocks, for every row
-    const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-    const int64_t lo = nblk * t / nt, hi = nblk * (t + 1) / nt;
-    for (int64_t m0 = 0; m0 < m; m0 += kRowChunk) {
-      const int64_t m1 = std::min(m, m0 + kRowChunk);
-      for (int64_t b = lo; b < hi; b += kColBlocks) {
-        const int nb = static_cast<int>(std::min<int64_t>(kColBlocks, hi - b));
-        for (int64_t r = m0; r < m1; r += kRowsMax) {
-          const int rr = static_cast<int>(std::min<int64_t>(kRowsMax, m1 - r));
-          rows(rr, xd + r * kp, kp, wd, b, nb, od + r * n, n);
+// out [M, N] = x [M, K] @ W^T, x and W in bf16 (W packed by linear_bf16_pack), fp32 accumulation; the
+// caller checks the shapes. x: [M, K/2] bf16 pairs; packed: [N/16][K/2][16][2]; out: [M, N].
+void linear_bf16(const uint32_t* xd, const uint16_t* wd, uint16_t* od, int64_t m, int64_t k, int64_t nblk) {
+  const int64_t n = nblk * 16, kp = k / 2;
+  // one chunk per thread of torch's pool (`--threads`): each owns an equal share of the 16-column blocks
+  const int64_t nt = get_num_threads();
+  parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t lo = nblk * t / nt, hi = nblk * (t + 1) / nt;
+      for (int64_t m0 = 0; m0 < m; m0 += kRowChunk) {
+        const int64_t m1 = std::min(m, m0 + kRowChunk);
+        for (int64_t b = lo; b < hi; b += kColBlocks) {
+          const int nb = static_cast<int>(std::min<int64_t>(kColBlocks, hi - b));
+          for (int64_t r = m0; r < m1; r += kRowsMax) {
+            const int rr = static_cast<int>(std::min<int64_t>(kRowsMax, m1 - r));
+            rows(rr, xd + r * kp, kp, wd, b, nb, od + r * n, n);
+          }
         }
       }
     }
-  }
-  return out;
+  });
+}
+#endif
+
+void register_linear_bf16(Table& t) {
+#if CONVEYOR_HAS_DPBF16
+  t.linear_bf16 = &linear_bf16;
 #else
-  TORCH_CHECK(false, "linear_bf16: this build has no AVX-512 BF16 (the CPU lacks it)");
-  return x;
+  (void)t;
 #endif
 }
+
+}  // namespace CONVEYOR_VARIANT
+}  // namespace conveyor

@@ -17,9 +17,7 @@
 // the compiler's auto-vectoriser (-O3 -march=native): 16 keys per tile map onto one AVX-512 register
 // (two AVX2 registers), the head dimension onto the accumulator rows.
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-
+#include "kernel_api.h"
 #include "vec_math.h"
 
 #include <algorithm>
@@ -29,6 +27,8 @@
 #include <type_traits>
 #include <vector>
 
+namespace conveyor {
+namespace CONVEYOR_VARIANT {
 namespace {
 
 constexpr int KV_TILE = 16;     // keys per online-softmax step: fixed, part of the numerics
@@ -44,8 +44,8 @@ constexpr int PREFETCH_TILES = 1;
 
 inline float to_float(float x) { return x; }
 inline float to_float(int8_t x) { return static_cast<float>(x); }
-inline float half_to_float(at::Half x) { return static_cast<float>(x); }
-inline float to_float(at::BFloat16 x) {
+inline float half_to_float(half x) { return static_cast<float>(x); }
+inline float to_float(bf16 x) {
   uint32_t bits = static_cast<uint32_t>(x.x) << 16;
   float f;
   std::memcpy(&f, &bits, sizeof(f));
@@ -61,10 +61,10 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
-inline __m512 load16_half(const at::Half* p) {
+inline __m512 load16_half(const half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-inline __m512 load16(const at::BFloat16* p) {
+inline __m512 load16(const bf16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
@@ -75,7 +75,7 @@ inline __m512 load16(const at::BFloat16* p) {
 // ksc/vsc: the 16 keys' and values' scales (int8 caches), else null.
 template <typename T, int D, int NR>
 inline void tile16(const float (*Q)[D], float (*acc)[D], float* m, float* l, const int* valid, int n,
-                   const T* kt, int64_t kstride, const T* vt, const at::Half* ksc, const at::Half* vsc) {
+                   const T* kt, int64_t kstride, const T* vt, const half* ksc, const half* vsc) {
   __m512 sa[NR], sb[NR];
   for (int i = 0; i < NR; ++i) { sa[i] = _mm512_setzero_ps(); sb[i] = _mm512_setzero_ps(); }
   for (int d = 0; d < D; d += 2) {
@@ -145,7 +145,7 @@ inline int acc_lane_of(int d) {  // where dimension d sits in a permuted accumul
 
 template <int D, int NR, bool PACKED_ROWS>
 inline void tile16_dp(const uint32_t (*Qp)[D / 2], float (*acc)[D], float* m, float* l, const int* valid, int n,
-                      const at::BFloat16* kt, int64_t kstride, const at::BFloat16* vt, float scale) {
+                      const bf16* kt, int64_t kstride, const bf16* vt, float scale) {
   static_assert(D % 32 == 0, "the bf16 tile takes head dims in multiples of 32");
   // output word 2j <- input word j (row d, key j); 2j+1 <- 16 + j (row d + 1, key j)
   const __m512i pair_idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
@@ -220,7 +220,7 @@ inline void tile16_dp(const uint32_t (*Qp)[D / 2], float (*acc)[D], float* m, fl
 // One tile for all rows of an item: register blocks of 4 rows, then the 1-3 left.
 template <int D, bool PACKED_ROWS>
 inline void tiles_dp(const uint32_t (*Qp)[D / 2], float (*acc)[D], float* m, float* l, const int* valid, int rows,
-                     const at::BFloat16* kt, int64_t kstride, const at::BFloat16* vt, float scale) {
+                     const bf16* kt, int64_t kstride, const bf16* vt, float scale) {
   int r = 0;
   for (; r + 4 <= rows; r += 4) {
     tile16_dp<D, 4, PACKED_ROWS>(Qp + r, acc + r, m + r, l + r, valid + r, std::max(valid[r + 3], 0), kt, kstride,
@@ -240,7 +240,7 @@ inline void tiles_dp(const uint32_t (*Qp)[D / 2], float (*acc)[D], float* m, flo
 
 template <typename T, typename CT, int D>
 void attend_item(const T* __restrict q, T* __restrict out, const CT* __restrict k_cache, const CT* __restrict v_cache,
-                 const at::Half* __restrict k_scale, const at::Half* __restrict v_scale,
+                 const half* __restrict k_scale, const half* __restrict v_scale,
                  const int32_t* __restrict table, int64_t q_begin, int64_t q_end, int64_t first_pos, int head0,
                  int group, int64_t q_stride_t, int64_t block_size, int64_t block_stride, int kvh, float scale) {
   const int64_t nt = q_end - q_begin;
@@ -266,7 +266,7 @@ void attend_item(const T* __restrict q, T* __restrict out, const CT* __restrict 
     for (int d = 0; d < D; ++d) Kt[d][j] = 0.f;
   }
 #if CONVEYOR_ATTN_DPBF16
-  constexpr bool dp = std::is_same<CT, at::BFloat16>::value && std::is_same<T, at::BFloat16>::value && D % 32 == 0;
+  constexpr bool dp = std::is_same<CT, bf16>::value && std::is_same<T, bf16>::value && D % 32 == 0;
   const bool use_dp = dp && tile == 16;
   alignas(64) uint32_t Qp[dp ? MAX_ROWS : 1][D / 2];  // the bf16 query rows as (d, d + 1) pairs, unscaled
   if (use_dp) {
@@ -290,8 +290,8 @@ void attend_item(const T* __restrict q, T* __restrict out, const CT* __restrict 
     // scales (int8 caches): [blocks, Hkv, block_size], one per token and head
     const int64_t sbase = (static_cast<int64_t>(table[k0 / block_size]) * (block_stride / (D * block_size)) + kvh) *
                           block_size + off;
-    const at::Half* ksc = k_scale ? k_scale + sbase : nullptr;
-    const at::Half* vsc = v_scale ? v_scale + sbase : nullptr;
+    const half* ksc = k_scale ? k_scale + sbase : nullptr;
+    const half* vsc = v_scale ? v_scale + sbase : nullptr;
     if (k0 + PREFETCH_TILES * tile <= last) {  // tiles ahead sit in other blocks: start loading them now
       const int64_t k1 = k0 + PREFETCH_TILES * tile;
       const int64_t nb = static_cast<int64_t>(table[k1 / block_size]) * block_stride + head_off;
@@ -307,8 +307,8 @@ void attend_item(const T* __restrict q, T* __restrict out, const CT* __restrict 
       if (use_dp) {
         int valid[MAX_ROWS];
         for (int r = 0; r < rows; ++r) valid[r] = static_cast<int>(std::min<int64_t>(n, pos[r] + 1 - k0));
-        const at::BFloat16* kb = reinterpret_cast<const at::BFloat16*>(ks);
-        const at::BFloat16* vb = reinterpret_cast<const at::BFloat16*>(vs);
+        const bf16* kb = reinterpret_cast<const bf16*>(ks);
+        const bf16* vb = reinterpret_cast<const bf16*>(vs);
         if (block_size == 16) {
           tiles_dp<D, true>(Qp, acc, m, l, valid, rows, kb, block_size, vb, scale);
         } else {
@@ -398,18 +398,16 @@ void attend_item(const T* __restrict q, T* __restrict out, const CT* __restrict 
 }
 
 template <typename T, typename CT, int D>
-void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-         const torch::Tensor& block_tables, const torch::Tensor& cu_q, const torch::Tensor& ctx_lens, float scale,
-         const at::Half* ksp, const at::Half* vsp) {
-  const int64_t num_seqs = ctx_lens.size(0);
-  const int64_t heads = q.size(1);
-  const int64_t kv_heads = k_cache.size(1), block_size = k_cache.size(3);
+void run(const AttentionArgs& a) {
+  const int64_t num_seqs = a.num_seqs;
+  const int64_t heads = a.heads;
+  const int64_t kv_heads = a.kv_heads, block_size = a.block_size;
   const int group = static_cast<int>(heads / kv_heads);
   const int64_t tile_tokens = std::max<int64_t>(1, MAX_ROWS / group);
-  const int32_t* cu = cu_q.data_ptr<int32_t>();
-  const int32_t* ctx = ctx_lens.data_ptr<int32_t>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int64_t table_stride = block_tables.size(1);
+  const int32_t* cu = a.cu_q;
+  const int32_t* ctx = a.ctx_lens;
+  const int32_t* tables = a.block_tables;
+  const int64_t table_stride = a.table_stride;
   // items: (seq, kv head, tile of query tokens); long prompts split into tiles so threads share them
   struct Item { int32_t seq, kvh; int64_t q0, q1; };
   std::vector<Item> items;
@@ -421,13 +419,16 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
       }
     }
   }
-  const T* qp = q.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  const CT* kp = k_cache.data_ptr<CT>();
-  const CT* vp = v_cache.data_ptr<CT>();
-  const int64_t q_stride_t = q.stride(0);
-  const int64_t block_stride = k_cache.stride(0);
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+  const T* qp = static_cast<const T*>(a.q);
+  T* op = static_cast<T*>(a.out);
+  const CT* kp = static_cast<const CT*>(a.k_cache);
+  const CT* vp = static_cast<const CT*>(a.v_cache);
+  const half* ksp = a.k_scale;
+  const half* vsp = a.v_scale;
+  const int64_t q_stride_t = a.q_stride_t;
+  const int64_t block_stride = a.block_stride;
+  const float scale = a.scale;
+  parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const Item& it = items[i];
       const int64_t qlen = cu[it.seq + 1] - cu[it.seq];
@@ -442,21 +443,22 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
 // quantized per token and head, scale = max|x| / 127 rounded to fp16 and q = round(x / scale), the
 // scales stored beside ([blocks, Hkv, block_size]).
 template <typename T, typename CT>
-void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache, torch::Tensor& v_cache,
-              const torch::Tensor& slots, at::Half* ksc, at::Half* vsc) {
-  const int64_t n = k.size(0), hkv = k.size(1), d = k.size(2), bs = k_cache.size(3);
-  const int64_t bstride = k_cache.stride(0);
-  const int64_t* sl = slots.data_ptr<int64_t>();
-  const T* kp = k.data_ptr<T>();
-  const T* vp = v.data_ptr<T>();
-  CT* kc = k_cache.data_ptr<CT>();
-  CT* vc = v_cache.data_ptr<CT>();
-  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
-  auto store = [d](const T* src, CT* dst, int64_t dst_stride, at::Half* scale_out) {
+void write_kv(const WriteKVArgs& a) {
+  const int64_t n = a.n, hkv = a.kv_heads, d = a.head_dim, bs = a.block_size;
+  const int64_t bstride = a.block_stride;
+  const int64_t* sl = a.slots;
+  const T* kp = static_cast<const T*>(a.k);
+  const T* vp = static_cast<const T*>(a.v);
+  CT* kc = static_cast<CT*>(a.k_cache);
+  CT* vc = static_cast<CT*>(a.v_cache);
+  half* ksc = a.k_scale;
+  half* vsc = a.v_scale;
+  const int64_t ks0 = a.k_stride0, ks1 = a.k_stride1, vs0 = a.v_stride0, vs1 = a.v_stride1;
+  auto store = [d](const T* src, CT* dst, int64_t dst_stride, half* scale_out) {
     if constexpr (std::is_same<CT, int8_t>::value) {
       float amax = 0.f;
       for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(to_float(src[i])));
-      const at::Half sh = static_cast<at::Half>(amax / 127.f);
+      const half sh = static_cast<half>(amax / 127.f);
       const float sc = static_cast<float>(sh);
       *scale_out = sh;
       for (int64_t i = 0; i < d; ++i) {
@@ -467,7 +469,7 @@ void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_c
       for (int64_t i = 0; i < d; ++i) dst[i * dst_stride] = src[i];
     }
   };
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t blk = sl[t] / bs, off = sl[t] % bs;
       for (int64_t h = 0; h < hkv; ++h) {
@@ -479,102 +481,50 @@ void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_c
   });
 }
 
+// head_dim: one of KERNEL_HEAD_DIMS (conveyor/model/attention.py); the bindings check it.
 template <typename T, typename CT>
-void dispatch_d(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                const torch::Tensor& bt, const torch::Tensor& cu, const torch::Tensor& ctx, float scale,
-                const at::Half* ks, const at::Half* vs) {
-  switch (q.size(2)) {
-    case 64: return run<T, CT, 64>(out, q, k, v, bt, cu, ctx, scale, ks, vs);
-    case 128: return run<T, CT, 128>(out, q, k, v, bt, cu, ctx, scale, ks, vs);
-    case 80: return run<T, CT, 80>(out, q, k, v, bt, cu, ctx, scale, ks, vs);
-    case 96: return run<T, CT, 96>(out, q, k, v, bt, cu, ctx, scale, ks, vs);
-    case 32: return run<T, CT, 32>(out, q, k, v, bt, cu, ctx, scale, ks, vs);
-    case 256: return run<T, CT, 256>(out, q, k, v, bt, cu, ctx, scale, ks, vs);
-    default: TORCH_CHECK(false, "paged_attention: head_dim ", q.size(2), " is not compiled in");
+void dispatch_d(const AttentionArgs& a) {
+  switch (a.head_dim) {
+    case 64: return run<T, CT, 64>(a);
+    case 128: return run<T, CT, 128>(a);
+    case 80: return run<T, CT, 80>(a);
+    case 96: return run<T, CT, 96>(a);
+    case 32: return run<T, CT, 32>(a);
+    case 256: return run<T, CT, 256>(a);
+    default: return;
+  }
+}
+
+// out, q: [T, H, D] contiguous; k_cache: [blocks, Hkv, D, block_size] (K transposed within a block, so a
+// tile of keys is contiguous for every d); v_cache: [blocks, Hkv, block_size, D]; dtypes checked by the caller.
+void paged_attention(const AttentionArgs& a) {
+  const bool q8 = a.cache_dtype == DType::I8;
+  if (a.dtype == DType::F32) {
+    if (q8) dispatch_d<float, int8_t>(a);
+    else dispatch_d<float, float>(a);
+  } else {
+    if (q8) dispatch_d<bf16, int8_t>(a);
+    else dispatch_d<bf16, bf16>(a);
+  }
+}
+
+void write_kv_cache(const WriteKVArgs& a) {
+  const bool q8 = a.cache_dtype == DType::I8;
+  if (a.dtype == DType::F32) {
+    if (q8) write_kv<float, int8_t>(a);
+    else write_kv<float, float>(a);
+  } else {
+    if (q8) write_kv<bf16, int8_t>(a);
+    else write_kv<bf16, bf16>(a);
   }
 }
 
 }  // namespace
 
-// out, q: [T, H, D] contiguous; k_cache: [blocks, Hkv, D, block_size] (K transposed within a block, so a
-// tile of keys is contiguous for every d); v_cache: [blocks, Hkv, block_size, D];
-// block_tables: int32 [S, max_blocks]; cu_q: int32 [S + 1]; ctx_lens: int32 [S].
-// int8 caches come with k_scale/v_scale: fp16 [blocks, Hkv, block_size].
-void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                     torch::Tensor block_tables, torch::Tensor cu_q, torch::Tensor ctx_lens, double scale,
-                     c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && out.is_contiguous() && out.sizes() == q.sizes(), "q/out: [T, H, D]");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(0) == v_cache.size(0));
-  const bool q8 = k_cache.scalar_type() == at::kChar;
-  TORCH_CHECK((q8 || q.scalar_type() == k_cache.scalar_type()) && out.scalar_type() == q.scalar_type() &&
-              v_cache.scalar_type() == k_cache.scalar_type(), "q/out/cache dtypes");
-  TORCH_CHECK(!q8 || (k_scale && v_scale && k_scale->scalar_type() == at::kHalf && v_scale->scalar_type() == at::kHalf &&
-                      k_scale->is_contiguous() && v_scale->is_contiguous() &&
-                      k_scale->numel() == k_cache.size(0) * k_cache.size(1) * k_cache.size(3) &&
-                      v_scale->numel() == k_scale->numel()), "int8 caches need fp16 scales [blocks, Hkv, block_size]");
-  const at::Half* ks = q8 ? k_scale->data_ptr<at::Half>() : nullptr;
-  const at::Half* vs = q8 ? v_scale->data_ptr<at::Half>() : nullptr;
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && cu_q.scalar_type() == at::kInt &&
-              ctx_lens.scalar_type() == at::kInt && block_tables.is_contiguous());
-  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0 && q.size(1) / k_cache.size(1) <= MAX_ROWS, "GQA group too large");
-  TORCH_CHECK(q.size(2) <= MAX_D && q.size(2) == k_cache.size(2) && v_cache.size(3) == q.size(2));
-  const float sc = static_cast<float>(scale);
-  if (q.scalar_type() == at::kFloat) {
-    if (q8) dispatch_d<float, int8_t>(out, q, k_cache, v_cache, block_tables, cu_q, ctx_lens, sc, ks, vs);
-    else dispatch_d<float, float>(out, q, k_cache, v_cache, block_tables, cu_q, ctx_lens, sc, ks, vs);
-  } else if (q.scalar_type() == at::kBFloat16) {
-    if (q8) dispatch_d<at::BFloat16, int8_t>(out, q, k_cache, v_cache, block_tables, cu_q, ctx_lens, sc, ks, vs);
-    else dispatch_d<at::BFloat16, at::BFloat16>(out, q, k_cache, v_cache, block_tables, cu_q, ctx_lens, sc, ks, vs);
-  } else {
-    TORCH_CHECK(false, "paged_attention: dtype ", q.scalar_type(), " is not supported");
-  }
+void register_paged_attention(Table& t) {
+  t.paged_attention = &paged_attention;
+  t.write_kv_cache = &write_kv_cache;
 }
 
-// Scatter this step's K/V [T, Hkv, D] into their slots (slot = block * block_size + offset).
-void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
-                    torch::Tensor slots, c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale) {
-  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous());
-  TORCH_CHECK(k.scalar_type() == v.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type());
-  if (k_cache.scalar_type() == at::kChar) {
-    TORCH_CHECK(k_scale && v_scale && k_scale->scalar_type() == at::kHalf && v_scale->scalar_type() == at::kHalf);
-    at::Half* ks = k_scale->data_ptr<at::Half>();
-    at::Half* vs = v_scale->data_ptr<at::Half>();
-    if (k.scalar_type() == at::kFloat) return write_kv<float, int8_t>(k, v, k_cache, v_cache, slots, ks, vs);
-    if (k.scalar_type() == at::kBFloat16) return write_kv<at::BFloat16, int8_t>(k, v, k_cache, v_cache, slots, ks, vs);
-  } else {
-    TORCH_CHECK(k.scalar_type() == k_cache.scalar_type(), "write_kv_cache: K/V and cache dtypes differ");
-    if (k.scalar_type() == at::kFloat) return write_kv<float, float>(k, v, k_cache, v_cache, slots, nullptr, nullptr);
-    if (k.scalar_type() == at::kBFloat16) {
-      return write_kv<at::BFloat16, at::BFloat16>(k, v, k_cache, v_cache, slots, nullptr, nullptr);
-    }
-  }
-  TORCH_CHECK(false, "write_kv_cache: dtype ", k.scalar_type(), " is not supported");
-}
-
-torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
-void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
-torch::Tensor silu_and_mul(torch::Tensor gate_up);
-void apply_token_bitmask_(torch::Tensor logits, torch::Tensor bits, torch::Tensor rows);
-bool linear_bf16_available();
-torch::Tensor linear_bf16_pack(torch::Tensor w);
-torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed);
-
-// Every op releases the GIL while it runs: the server's event loop keeps streaming meanwhile.
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  using release = py::call_guard<py::gil_scoped_release>;
-  m.def("paged_attention", &paged_attention, "paged attention over the block pool (CPU)", py::arg("out"),
-        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("cu_q"),
-        py::arg("ctx_lens"), py::arg("scale"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(),
-        release());
-  m.def("write_kv_cache", &write_kv_cache, "scatter K/V into their cache slots (CPU)", py::arg("k"), py::arg("v"),
-        py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("k_scale") = py::none(),
-        py::arg("v_scale") = py::none(), release());
-  m.def("rms_norm", &rms_norm, "[residual +=] x; RMSNorm (CPU)", release());
-  m.def("rope_", &rope_, "rotary embedding in place (CPU)", release());
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU)", release());
-  m.def("apply_token_bitmask_", &apply_token_bitmask_, "ban the logits a grammar's bitmask excludes (CPU)",
-        release());
-  m.def("linear_bf16_available", &linear_bf16_available, "whether this build has the AVX-512 BF16 linear");
-  m.def("linear_bf16_pack", &linear_bf16_pack, "a bf16 weight [N, K] in linear_bf16's layout", release());
-  m.def("linear_bf16", &linear_bf16, "x @ W^T in bf16 with vdpbf16ps, batch-invariant (CPU)", release());
-}
+}  // namespace CONVEYOR_VARIANT
+}  // namespace conveyor

@@ -1,0 +1,277 @@
+// The Python module: torch tensors in, checks, then a call through the chosen variant's Table.
+//
+// The only file that includes torch's headers (15-20 s to compile), so it is compiled once, for the
+// baseline x86-64 ISA. Installed builds: the kernels live in one library per instruction-set variant
+// (kernel_api.h), and conveyor/kernels/__init__.py picks one from the CPU's flags (or CONVEYOR_CPU_VARIANT)
+// and hands its path to load_variant() right after import. The first-use JIT build (-march=native) compiles
+// this file with the kernels into one module and defines CONVEYOR_BUILTIN_VARIANT: that variant is used.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <string>
+
+#include "kernel_api.h"
+
+#ifdef CONVEYOR_BUILTIN_VARIANT
+namespace conveyor {
+namespace CONVEYOR_BUILTIN_VARIANT {
+const Table* table(const Runtime* rt);
+}  // namespace CONVEYOR_BUILTIN_VARIANT
+}  // namespace conveyor
+#endif
+
+namespace {
+
+using conveyor::DType;
+using conveyor::Table;
+
+constexpr int64_t MAX_ROWS = 64;  // paged_attention.cpp: query rows per work item (GQA group bound)
+constexpr int64_t HEAD_DIMS[] = {32, 64, 80, 96, 128, 256};  // compiled in (KERNEL_HEAD_DIMS in attention.py)
+
+void parallel_for_impl(int64_t begin, int64_t end, int64_t grain, void* ctx, conveyor::ChunkFn fn) {
+  at::parallel_for(begin, end, grain, [&](int64_t b, int64_t e) { fn(ctx, b, e); });
+}
+int num_threads_impl() { return at::get_num_threads(); }
+const conveyor::Runtime kRuntime{&parallel_for_impl, &num_threads_impl};
+
+#ifdef CONVEYOR_BUILTIN_VARIANT
+const Table* g_table = conveyor::CONVEYOR_BUILTIN_VARIANT::table(&kRuntime);
+#else
+const Table* g_table = nullptr;  // until load_variant()
+#endif
+
+const Table& table() {
+  TORCH_CHECK(g_table != nullptr, "conveyor kernels: no variant loaded (conveyor.kernels.load() loads one)");
+  return *g_table;
+}
+
+// dlopen the library of one variant (RTLD_LOCAL: its symbols stay its own) and run its ops from now on.
+// Libraries stay loaded: switching back (tests compare variants) finds them in `loaded`.
+std::string load_variant(const std::string& path) {
+  static std::mutex mu;
+  static std::map<std::string, const Table*> loaded;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = loaded.find(path);
+  if (it == loaded.end()) {
+    void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+    TORCH_CHECK(handle != nullptr, "cannot load kernel variant ", path, ": ", dlerror());
+    using Entry = const Table* (*)(const conveyor::Runtime*);
+    auto entry = reinterpret_cast<Entry>(dlsym(handle, "conveyor_table"));
+    TORCH_CHECK(entry != nullptr, path, " has no conveyor_table()");
+    it = loaded.emplace(path, entry(&kRuntime)).first;
+  }
+  g_table = it->second;
+  return table().name;
+}
+
+#ifdef CONVEYOR_SOURCE_HASH
+std::string source_hash() { return CONVEYOR_SOURCE_HASH; }
+#endif
+
+std::string variant() { return g_table ? table().name : ""; }
+
+DType dtype_of(const torch::Tensor& t, const char* what) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::F32;
+    case at::kBFloat16: return DType::BF16;
+    case at::kChar: return DType::I8;
+    default: TORCH_CHECK(false, what, ": dtype ", t.scalar_type(), " is not supported");
+  }
+  return DType::F32;
+}
+
+// out, q: [T, H, D] contiguous; k_cache: [blocks, Hkv, D, block_size] (K transposed within a block, so a
+// tile of keys is contiguous for every d); v_cache: [blocks, Hkv, block_size, D];
+// block_tables: int32 [S, max_blocks]; cu_q: int32 [S + 1]; ctx_lens: int32 [S].
+// int8 caches come with k_scale/v_scale: fp16 [blocks, Hkv, block_size].
+void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                     torch::Tensor block_tables, torch::Tensor cu_q, torch::Tensor ctx_lens, double scale,
+                     c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && out.is_contiguous() && out.sizes() == q.sizes(), "q/out: [T, H, D]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(0) == v_cache.size(0));
+  const bool q8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK((q8 || q.scalar_type() == k_cache.scalar_type()) && out.scalar_type() == q.scalar_type() &&
+              v_cache.scalar_type() == k_cache.scalar_type(), "q/out/cache dtypes");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "paged_attention: dtype ", q.scalar_type(), " is not supported");
+  TORCH_CHECK(!q8 || (k_scale && v_scale && k_scale->scalar_type() == at::kHalf && v_scale->scalar_type() == at::kHalf &&
+                      k_scale->is_contiguous() && v_scale->is_contiguous() &&
+                      k_scale->numel() == k_cache.size(0) * k_cache.size(1) * k_cache.size(3) &&
+                      v_scale->numel() == k_scale->numel()), "int8 caches need fp16 scales [blocks, Hkv, block_size]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && cu_q.scalar_type() == at::kInt &&
+              ctx_lens.scalar_type() == at::kInt && block_tables.is_contiguous());
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0 && q.size(1) / k_cache.size(1) <= MAX_ROWS, "GQA group too large");
+  TORCH_CHECK(q.size(2) == k_cache.size(2) && v_cache.size(3) == q.size(2));
+  TORCH_CHECK(std::find(std::begin(HEAD_DIMS), std::end(HEAD_DIMS), q.size(2)) != std::end(HEAD_DIMS),
+              "paged_attention: head_dim ", q.size(2), " is not compiled in");
+  conveyor::AttentionArgs a;
+  a.out = out.data_ptr();
+  a.q = q.data_ptr();
+  a.k_cache = k_cache.data_ptr();
+  a.v_cache = v_cache.data_ptr();
+  a.k_scale = q8 ? reinterpret_cast<const conveyor::half*>(k_scale->data_ptr<at::Half>()) : nullptr;
+  a.v_scale = q8 ? reinterpret_cast<const conveyor::half*>(v_scale->data_ptr<at::Half>()) : nullptr;
+  a.block_tables = block_tables.data_ptr<int32_t>();
+  a.cu_q = cu_q.data_ptr<int32_t>();
+  a.ctx_lens = ctx_lens.data_ptr<int32_t>();
+  a.num_seqs = ctx_lens.size(0);
+  a.heads = q.size(1);
+  a.kv_heads = k_cache.size(1);
+  a.head_dim = q.size(2);
+  a.block_size = k_cache.size(3);
+  a.table_stride = block_tables.size(1);
+  a.q_stride_t = q.stride(0);
+  a.block_stride = k_cache.stride(0);
+  a.scale = static_cast<float>(scale);
+  a.dtype = dtype_of(q, "paged_attention");
+  a.cache_dtype = dtype_of(k_cache, "paged_attention");
+  table().paged_attention(a);
+}
+
+// Scatter this step's K/V [T, Hkv, D] into their slots (slot = block * block_size + offset).
+void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                    torch::Tensor slots, c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale) {
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous());
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type());
+  TORCH_CHECK(k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16,
+              "write_kv_cache: dtype ", k.scalar_type(), " is not supported");
+  const bool q8 = k_cache.scalar_type() == at::kChar;
+  if (q8) {
+    TORCH_CHECK(k_scale && v_scale && k_scale->scalar_type() == at::kHalf && v_scale->scalar_type() == at::kHalf);
+  } else {
+    TORCH_CHECK(k.scalar_type() == k_cache.scalar_type(), "write_kv_cache: K/V and cache dtypes differ");
+  }
+  conveyor::WriteKVArgs a;
+  a.k = k.data_ptr();
+  a.v = v.data_ptr();
+  a.k_cache = k_cache.data_ptr();
+  a.v_cache = v_cache.data_ptr();
+  a.slots = slots.data_ptr<int64_t>();
+  a.k_scale = q8 ? reinterpret_cast<conveyor::half*>(k_scale->data_ptr<at::Half>()) : nullptr;
+  a.v_scale = q8 ? reinterpret_cast<conveyor::half*>(v_scale->data_ptr<at::Half>()) : nullptr;
+  a.n = k.size(0);
+  a.kv_heads = k.size(1);
+  a.head_dim = k.size(2);
+  a.block_size = k_cache.size(3);
+  a.block_stride = k_cache.stride(0);
+  a.k_stride0 = k.stride(0);
+  a.k_stride1 = k.stride(1);
+  a.v_stride0 = v.stride(0);
+  a.v_stride1 = v.stride(1);
+  a.dtype = dtype_of(k, "write_kv_cache");
+  a.cache_dtype = dtype_of(k_cache, "write_kv_cache");
+  table().write_kv_cache(a);
+}
+
+DType float_dtype(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, what, ": dtype not supported");
+  return t.scalar_type() == at::kFloat ? DType::F32 : DType::BF16;
+}
+
+// x: [T, dim] contiguous. With residual: residual += x, then out = norm(residual). Returns out.
+torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && x.scalar_type() == weight.scalar_type());
+  const DType dt = float_dtype(x, "rms_norm");
+  auto out = torch::empty_like(x);
+  const int64_t dim = x.size(-1), rows = x.numel() / dim;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes() &&
+                residual->scalar_type() == x.scalar_type());
+  }
+  table().rms_norm(dt, x.data_ptr(), residual ? residual->data_ptr() : nullptr, weight.data_ptr(), rows, dim,
+                    static_cast<float>(eps), out.data_ptr());
+  return out;
+}
+
+// x: [T, H, D] with D contiguous and heads adjacent (a column slice of the qkv output is fine).
+void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2));
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
+              sin.scalar_type() == at::kFloat);
+  const DType dt = float_dtype(x, "rope_");
+  table().rope(dt, x.data_ptr(), x.size(0), x.size(1), x.size(2), x.stride(0), cos.data_ptr<float>(),
+                sin.data_ptr<float>());
+}
+
+torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.is_contiguous());
+  const DType dt = float_dtype(gate_up, "silu_and_mul");
+  const int64_t inter = gate_up.size(-1) / 2, rows = gate_up.numel() / gate_up.size(-1);
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() = inter;
+  auto out = torch::empty(sizes, gate_up.options());
+  table().silu_and_mul(dt, gate_up.data_ptr(), out.data_ptr(), rows, inter);
+  return out;
+}
+
+// logits: [B, V] float32 contiguous; bits: [R, W] int32; rows: [R] int64 (see fused_ops.cpp).
+void apply_token_bitmask_(torch::Tensor logits, torch::Tensor bits, torch::Tensor rows) {
+  TORCH_CHECK(logits.is_contiguous() && logits.scalar_type() == at::kFloat && logits.dim() == 2);
+  TORCH_CHECK(bits.is_contiguous() && bits.scalar_type() == at::kInt && rows.scalar_type() == at::kLong);
+  const int64_t V = logits.size(1), W = bits.size(1), R = bits.size(0);
+  TORCH_CHECK(rows.numel() == R && rows.is_contiguous());
+  const int64_t* row_ids = rows.data_ptr<int64_t>();
+  for (int64_t j = 0; j < R; ++j) TORCH_CHECK(row_ids[j] >= 0 && row_ids[j] < logits.size(0));
+  table().apply_token_bitmask(logits.data_ptr<float>(), V, reinterpret_cast<const uint32_t*>(bits.data_ptr<int32_t>()),
+                               W, R, row_ids);
+}
+
+bool linear_bf16_available() { return table().linear_bf16 != nullptr; }
+
+torch::Tensor linear_bf16_pack(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "linear_bf16_pack: a 2-D bf16 weight is needed");
+  int64_t n = w.size(0), k = w.size(1);
+  TORCH_CHECK(n % 16 == 0 && k % 2 == 0, "linear_bf16_pack: N must be a multiple of 16 and K even, got ", n, "x", k);
+  return w.contiguous().view({n / 16, 16, k / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+// out [M, N] = x [M, K] @ W^T, x and W in bf16 (W packed by linear_bf16_pack), fp32 accumulation.
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed) {
+  TORCH_CHECK(table().linear_bf16 != nullptr, "linear_bf16: the kernel variant '", table().name,
+              "' has no AVX-512 BF16 (the CPU lacks it, or CONVEYOR_CPU_VARIANT chose another)");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
+              "linear_bf16: x must be a 2-D bf16 CPU tensor");
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.device().is_cpu() &&
+                  packed.dim() == 4 && packed.size(3) == 2,
+              "linear_bf16: the weight must come from linear_bf16_pack");
+  TORCH_CHECK(packed.size(1) * 2 == x.size(1) && packed.size(2) == 16, "linear_bf16: x and the packed weight disagree on K");
+  x = x.contiguous();
+  const int64_t m = x.size(0), k = x.size(1), nblk = packed.size(0);
+  auto out = torch::empty({m, nblk * 16}, x.options());
+  if (m == 0) return out;
+  table().linear_bf16(reinterpret_cast<const uint32_t*>(x.data_ptr()), reinterpret_cast<const uint16_t*>(packed.data_ptr()),
+                       reinterpret_cast<uint16_t*>(out.data_ptr()), m, k, nblk);
+  return out;
+}
+
+}  // namespace
+
+// Every op releases the GIL while it runs: the server's event loop keeps streaming meanwhile.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using release = py::call_guard<py::gil_scoped_release>;
+#ifdef CONVEYOR_SOURCE_HASH
+  m.def("source_hash", &source_hash, "the hash of the csrc/ files this module was built from (setup.py)");
+#endif
+  m.def("variant", &variant, "the instruction-set variant the ops run (empty: none loaded yet)");
+  m.def("load_variant", &load_variant, "load a variant's library (its path) and run its ops; returns its name");
+  m.def("paged_attention", &paged_attention, "paged attention over the block pool (CPU)", py::arg("out"),
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("cu_q"),
+        py::arg("ctx_lens"), py::arg("scale"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(),
+        release());
+  m.def("write_kv_cache", &write_kv_cache, "scatter K/V into their cache slots (CPU)", py::arg("k"), py::arg("v"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("k_scale") = py::none(),
+        py::arg("v_scale") = py::none(), release());
+  m.def("rms_norm", &rms_norm, "[residual +=] x; RMSNorm (CPU)", release());
+  m.def("rope_", &rope_, "rotary embedding in place (CPU)", release());
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU)", release());
+  m.def("apply_token_bitmask_", &apply_token_bitmask_, "ban the logits a grammar's bitmask excludes (CPU)",
+        release());
+  m.def("linear_bf16_available", &linear_bf16_available, "whether the chosen variant has the AVX-512 BF16 linear");
+  m.def("linear_bf16_pack", &linear_bf16_pack, "a bf16 weight [N, K] in linear_bf16's layout", release());
+  m.def("linear_bf16", &linear_bf16, "x @ W^T in bf16 with vdpbf16ps, batch-invariant (CPU)", release());
+}

@@ -1,0 +1,103 @@
+// The boundary between the kernels and the torch bindings.
+//
+// Kernel files (paged_attention.cpp, fused_ops.cpp, linear_bf16.cpp, ...) are plain C++: raw pointers and
+// sizes in, no torch header. setup.py compiles each of them once per instruction-set variant (generic,
+// avx2, avx512, avx512bf16: see conveyor/kernels/variants.py), with that variant's -march flags and
+// CONVEYOR_VARIANT set to its name, so every kernel lands in a namespace of its own
+// (conveyor::avx2::rms_norm, ...) and the variants link into one module side by side. Each kernel file
+// also defines `void register_<file>(Table&)` in that namespace, which stores its entry points in the
+// variant's `Table`; variant_table.cpp calls them all. bindings.cpp (compiled once, with torch) checks
+// the tensors, then calls through the Table of the variant chosen at load from the CPU's flags.
+//
+// Each variant is linked into a shared library of its own (conveyor/kernels/_cpu_<variant>.so), with hidden
+// visibility: the inline functions and templates every variant instantiates (vec_math.h, <algorithm>,
+// std::vector) then stay inside it. Linked into one library, the linker would keep one copy of each, maybe
+// the AVX-512 one, for all variants: an illegal instruction on a CPU without it. The bindings dlopen the
+// chosen variant's library and call its `conveyor_table()`.
+//
+// Parallel loops go through `parallel_for`, which the bindings implement with at::parallel_for.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "dtypes.h"
+
+namespace conveyor {
+
+enum class DType : int { F32 = 0, BF16 = 1, I8 = 2 };
+
+// paged_attention: see paged_attention.cpp for the layouts.
+struct AttentionArgs {
+  void* out;
+  const void* q;
+  const void* k_cache;
+  const void* v_cache;
+  const half* k_scale;  // int8 caches: [blocks, Hkv, block_size]; else null
+  const half* v_scale;
+  const int32_t* block_tables;
+  const int32_t* cu_q;
+  const int32_t* ctx_lens;
+  int64_t num_seqs, heads, kv_heads, head_dim, block_size, table_stride, q_stride_t, block_stride;
+  float scale;
+  DType dtype, cache_dtype;
+};
+
+struct WriteKVArgs {
+  const void* k;
+  const void* v;
+  void* k_cache;
+  void* v_cache;
+  const int64_t* slots;
+  half* k_scale;
+  half* v_scale;
+  int64_t n, kv_heads, head_dim, block_size, block_stride, k_stride0, k_stride1, v_stride0, v_stride1;
+  DType dtype, cache_dtype;
+};
+
+// Every entry point of one variant. A null entry: not compiled into this variant (e.g. linear_bf16 needs
+// AVX-512 BF16). Add a field here for a new kernel, set it in that file's register_<file>().
+struct Table {
+  const char* name = nullptr;
+  void (*paged_attention)(const AttentionArgs&) = nullptr;
+  void (*write_kv_cache)(const WriteKVArgs&) = nullptr;
+  void (*rms_norm)(DType, void* x, void* residual, const void* w, int64_t rows, int64_t dim, float eps,
+                   void* out) = nullptr;
+  void (*rope)(DType, void* x, int64_t tokens, int64_t heads, int64_t dim, int64_t stride_t, const float* cos,
+               const float* sin) = nullptr;
+  void (*silu_and_mul)(DType, const void* gate_up, void* out, int64_t rows, int64_t inter) = nullptr;
+  void (*apply_token_bitmask)(float* logits, int64_t vocab, const uint32_t* words, int64_t num_words,
+                              int64_t num_rows, const int64_t* row_ids) = nullptr;
+  void (*linear_bf16)(const uint32_t* x, const uint16_t* packed, uint16_t* out, int64_t m, int64_t k,
+                      int64_t n_blocks) = nullptr;
+};
+
+// The thread pool, handed to each variant by the bindings when they load it (at::parallel_for and
+// at::get_num_threads): the kernels run on torch's threads, `--threads` of them, as before the split.
+using ChunkFn = void (*)(void* ctx, int64_t begin, int64_t end);
+struct Runtime {
+  void (*parallel_for)(int64_t begin, int64_t end, int64_t grain, void* ctx, ChunkFn fn);
+  int (*num_threads)();
+};
+
+#ifdef CONVEYOR_VARIANT  // a kernel file, compiled once per variant
+namespace CONVEYOR_VARIANT {
+
+extern const Runtime* runtime;  // set by table()
+
+// at::parallel_for's contract: f(begin, end) over chunks of [begin, end), at least `grain` long.
+template <typename F>
+inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  runtime->parallel_for(begin, end, grain, const_cast<void*>(static_cast<const void*>(&f)),
+                        [](void* ctx, int64_t b, int64_t e) { (*static_cast<const F*>(ctx))(b, e); });
+}
+
+inline int get_num_threads() { return runtime->num_threads(); }
+
+// This variant's entry points; `rt` is kept for parallel_for. Defined in variant_table.cpp.
+const Table* table(const Runtime* rt);
+
+}  // namespace CONVEYOR_VARIANT
+#endif
+
+}  // namespace conveyor
