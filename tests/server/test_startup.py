@@ -7,6 +7,8 @@ The engine's load is held at a gate (a `threading.Event`) that the test opens on
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -118,3 +120,12 @@ def test_stop_while_loading():
         assert not app.ready  # the server stopped cleanly with its engine never up
     finally:
         gate.set()
+
+
+def test_serve_with_a_bad_model_answers_then_exits_with_the_error(tmp_path):
+    """`conveyor serve`: the port answers while the engine loads; a load that fails ends the server with the
+    CLI's one-line error and exit code 2, as before the load moved behind the port."""
+    proc = subprocess.run([sys.executable, "-m", "conveyor", "serve", "--port", "0", "--model",
+                           str(tmp_path / "no-such-model")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "serving there" in proc.stderr and "conveyor: error: unknown model name or path" in proc.stderr, proc.stderr
