@@ -1,12 +1,16 @@
 // The Python module: torch tensors in, checks, then a call through the chosen variant's Table.
 //
-// The only file that includes torch's headers (15-20 s to compile), so it is compiled once, for the
+// The only file that includes torch's headers (the slow part of the build), so it is compiled once, for the
 // baseline x86-64 ISA. Installed builds: the kernels live in one library per instruction-set variant
 // (kernel_api.h), and conveyor/kernels/__init__.py picks one from the CPU's flags (or CONVEYOR_CPU_VARIANT)
 // and hands its path to load_variant() right after import. The first-use JIT build (-march=native) compiles
 // this file with the kernels into one module and defines CONVEYOR_BUILTIN_VARIANT: that variant is used.
-#include <torch/extension.h>
+// Only the headers it uses, not <torch/extension.h>: that one alone is ~22 s of compiler time, these ~8 s.
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <dlfcn.h>
 
@@ -75,7 +79,7 @@ std::string source_hash() { return CONVEYOR_SOURCE_HASH; }
 
 std::string variant() { return g_table ? table().name : ""; }
 
-DType dtype_of(const torch::Tensor& t, const char* what) {
+DType dtype_of(const at::Tensor& t, const char* what) {
   switch (t.scalar_type()) {
     case at::kFloat: return DType::F32;
     case at::kBFloat16: return DType::BF16;
@@ -89,9 +93,9 @@ DType dtype_of(const torch::Tensor& t, const char* what) {
 // tile of keys is contiguous for every d); v_cache: [blocks, Hkv, block_size, D];
 // block_tables: int32 [S, max_blocks]; cu_q: int32 [S + 1]; ctx_lens: int32 [S].
 // int8 caches come with k_scale/v_scale: fp16 [blocks, Hkv, block_size].
-void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                     torch::Tensor block_tables, torch::Tensor cu_q, torch::Tensor ctx_lens, double scale,
-                     c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale) {
+void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                     at::Tensor block_tables, at::Tensor cu_q, at::Tensor ctx_lens, double scale,
+                     c10::optional<at::Tensor> k_scale, c10::optional<at::Tensor> v_scale) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && out.is_contiguous() && out.sizes() == q.sizes(), "q/out: [T, H, D]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(0) == v_cache.size(0));
   const bool q8 = k_cache.scalar_type() == at::kChar;
@@ -134,8 +138,8 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
 }
 
 // Scatter this step's K/V [T, Hkv, D] into their slots (slot = block * block_size + offset).
-void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
-                    torch::Tensor slots, c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale) {
+void write_kv_cache(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache,
+                    at::Tensor slots, c10::optional<at::Tensor> k_scale, c10::optional<at::Tensor> v_scale) {
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous());
   TORCH_CHECK(k.scalar_type() == v.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type());
   TORCH_CHECK(k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16,
@@ -168,16 +172,16 @@ void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, tor
   table().write_kv_cache(a);
 }
 
-DType float_dtype(const torch::Tensor& t, const char* what) {
+DType float_dtype(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, what, ": dtype not supported");
   return t.scalar_type() == at::kFloat ? DType::F32 : DType::BF16;
 }
 
 // x: [T, dim] contiguous. With residual: residual += x, then out = norm(residual). Returns out.
-torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps) {
+at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight, double eps) {
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && x.scalar_type() == weight.scalar_type());
   const DType dt = float_dtype(x, "rms_norm");
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   const int64_t dim = x.size(-1), rows = x.numel() / dim;
   if (residual.has_value()) {
     TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes() &&
@@ -189,7 +193,7 @@ torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, t
 }
 
 // x: [T, H, D] with D contiguous and heads adjacent (a column slice of the qkv output is fine).
-void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+void rope_(at::Tensor x, at::Tensor cos, at::Tensor sin) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2));
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
               sin.scalar_type() == at::kFloat);
@@ -198,19 +202,19 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
                 sin.data_ptr<float>());
 }
 
-torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+at::Tensor silu_and_mul(at::Tensor gate_up) {
   TORCH_CHECK(gate_up.is_contiguous());
   const DType dt = float_dtype(gate_up, "silu_and_mul");
   const int64_t inter = gate_up.size(-1) / 2, rows = gate_up.numel() / gate_up.size(-1);
   auto sizes = gate_up.sizes().vec();
   sizes.back() = inter;
-  auto out = torch::empty(sizes, gate_up.options());
+  auto out = at::empty(sizes, gate_up.options());
   table().silu_and_mul(dt, gate_up.data_ptr(), out.data_ptr(), rows, inter);
   return out;
 }
 
 // logits: [B, V] float32 contiguous; bits: [R, W] int32; rows: [R] int64 (see fused_ops.cpp).
-void apply_token_bitmask_(torch::Tensor logits, torch::Tensor bits, torch::Tensor rows) {
+void apply_token_bitmask_(at::Tensor logits, at::Tensor bits, at::Tensor rows) {
   TORCH_CHECK(logits.is_contiguous() && logits.scalar_type() == at::kFloat && logits.dim() == 2);
   TORCH_CHECK(bits.is_contiguous() && bits.scalar_type() == at::kInt && rows.scalar_type() == at::kLong);
   const int64_t V = logits.size(1), W = bits.size(1), R = bits.size(0);
@@ -223,7 +227,7 @@ void apply_token_bitmask_(torch::Tensor logits, torch::Tensor bits, torch::Tenso
 
 bool linear_bf16_available() { return table().linear_bf16 != nullptr; }
 
-torch::Tensor linear_bf16_pack(torch::Tensor w) {
+at::Tensor linear_bf16_pack(at::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "linear_bf16_pack: a 2-D bf16 weight is needed");
   int64_t n = w.size(0), k = w.size(1);
   TORCH_CHECK(n % 16 == 0 && k % 2 == 0, "linear_bf16_pack: N must be a multiple of 16 and K even, got ", n, "x", k);
@@ -231,7 +235,7 @@ torch::Tensor linear_bf16_pack(torch::Tensor w) {
 }
 
 // out [M, N] = x [M, K] @ W^T, x and W in bf16 (W packed by linear_bf16_pack), fp32 accumulation.
-torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed) {
+at::Tensor linear_bf16(at::Tensor x, at::Tensor packed) {
   TORCH_CHECK(table().linear_bf16 != nullptr, "linear_bf16: the kernel variant '", table().name,
               "' has no AVX-512 BF16 (the CPU lacks it, or CONVEYOR_CPU_VARIANT chose another)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
@@ -242,7 +246,7 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed) {
   TORCH_CHECK(packed.size(1) * 2 == x.size(1) && packed.size(2) == 16, "linear_bf16: x and the packed weight disagree on K");
   x = x.contiguous();
   const int64_t m = x.size(0), k = x.size(1), nblk = packed.size(0);
-  auto out = torch::empty({m, nblk * 16}, x.options());
+  auto out = at::empty({m, nblk * 16}, x.options());
   if (m == 0) return out;
   table().linear_bf16(reinterpret_cast<const uint32_t*>(x.data_ptr()), reinterpret_cast<const uint16_t*>(packed.data_ptr()),
                        reinterpret_cast<uint16_t*>(out.data_ptr()), m, k, nblk);
@@ -250,6 +254,8 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed) {
 }
 
 }  // namespace
+
+namespace py = pybind11;
 
 // Every op releases the GIL while it runs: the server's event loop keeps streaming meanwhile.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
