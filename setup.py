@@ -71,6 +71,12 @@ def compiler_takes(flags: tuple[str, ...]) -> bool:
                               capture_output=True).returncode == 0
 
 
+def depends() -> list[str]:
+    """What every extension is rebuilt for when it changes (setuptools looks at the .cpp files alone otherwise,
+    and an edited header would leave a build whose source hash no longer matches: never used)."""
+    return sorted(str(p.relative_to(ROOT)) for p in [*(ROOT / CSRC).glob("*.cpp"), *(ROOT / CSRC).glob("*.h")])
+
+
 def variant_extension(v) -> Extension:
     """`conveyor.kernels._cpu_<name>`: each kernel file through a one-line wrapper in GEN/<name>/, so that the
     variants' objects do not share a path in setuptools' build folder."""
@@ -80,7 +86,7 @@ def variant_extension(v) -> Extension:
         # by its path from here: a bare "name.cpp" would find the wrapper itself first
         write_if_changed(wrapper, f'#include "../../../{(CSRC / src.name).as_posix()}"  // the {v.name} variant\n')
         sources.append(str(wrapper.relative_to(ROOT)))
-    return Extension(f"conveyor.kernels._cpu_{v.name}", sources, language="c++",
+    return Extension(f"conveyor.kernels._cpu_{v.name}", sources, language="c++", depends=depends(),
                      include_dirs=[str(CSRC), str(GEN)],
                      extra_compile_args=[*VARIANT_FLAGS, *v.cflags, f"-DCONVEYOR_VARIANT={v.name}"])
 
@@ -94,6 +100,7 @@ def extensions() -> list[Extension]:
     # the longest compile first (the bindings, ~10 s of CPU; the AVX-512 variants' attention ~11-14 s; the
     # others ~5 s), so that the parallel workers end together
     bindings = CppExtension("conveyor.kernels._C", [str(CSRC / "bindings.cpp")], include_dirs=[str(CSRC)],
+                            depends=depends(),
                             extra_compile_args=FLAGS + [f'-DCONVEYOR_SOURCE_HASH="{source_hash()}"'])
     return [bindings] + [variant_extension(v) for v in chosen]
 

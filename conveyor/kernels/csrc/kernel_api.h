@@ -16,6 +16,20 @@
 // chosen variant's library and call its `conveyor_table()`.
 //
 // Parallel loops go through `parallel_for`, which the bindings implement with at::parallel_for.
+//
+// Adding a kernel file (e.g. sampler.cpp):
+// 1. csrc/sampler.cpp: `#include "kernel_api.h"` and no torch header; everything inside
+//    `namespace conveyor { namespace CONVEYOR_VARIANT { ... } }`; raw pointers and sizes in; `bf16` / `half`
+//    (dtypes.h) for at::BFloat16 / at::Half; `parallel_for(begin, end, grain, lambda)` and
+//    `get_num_threads()` for at::parallel_for / at::get_num_threads (no OpenMP pragmas); code that needs an
+//    ISA extension under `#ifdef __AVX512F__` (etc.) with a portable path or a null entry beside it. It ends
+//    with `void register_sampler(Table& t) { t.sampler = &sampler; }`: the name is register_<file stem>.
+// 2. Table (below): a field for each entry point (an args struct when there are many parameters).
+// 3. bindings.cpp: the op on tensors (TORCH_CHECKs, random numbers from torch's generator if it samples,
+//    outputs allocated with at::empty), calling `table().sampler(...)`; `m.def(..., release())`.
+// Nothing else: setup.py and the first-use build find the file by its name (kernel_files.h is generated).
+// `pip install -e .` (or `python setup.py build_ext --inplace`) rebuilds; until then the edited sources are
+// compiled on first use, since the installed build's source hash no longer matches.
 #pragma once
 
 #include <cstdint>
