@@ -167,11 +167,13 @@ def linear_kernel() -> str:
     """Which kernel runs bf16 linears in this process: "dpbf16" (ours) or "onednn", decided once.
 
     Not by assumption: where the compiled kernels have AVX-512 BF16, both run a SmolLM2-sized matmul
-    (576 -> 1536) at 1 and at 64 rows, best of 5 each, and ours is taken if it is faster at one row and
-    no more than 5% slower at 64 (measured on an AMD EPYC Zen 4: 1.8x faster at one row, 1.0-1.2x at 64).
-    One kernel serves every row count, so outputs stay batch-invariant whichever wins. Across processes
-    the two may round differently: where runs on several processes must match bit for bit (replicas,
-    a server and an offline job), pin the choice with `CONVEYOR_LINEAR_KERNEL`.
+    (576 -> 1536) at 1 and at 64 rows, interleaved, best of 9 each, and ours is taken if it is faster at
+    one row and no more than 5% slower at 64 (measured on an AMD EPYC Zen 4: 1.8x faster at one row,
+    1.0-1.2x at 64). The measurement is made once per kind of machine and remembered
+    (`conveyor/kernels/decisions.py`): timed at every start, one start beside a busy process once chose
+    the other kernel. One kernel serves every row count, so outputs stay batch-invariant whichever wins.
+    Across processes the two may round differently: where runs on several processes must match bit for
+    bit (replicas, a server and an offline job), pin the choice with `CONVEYOR_LINEAR_KERNEL`.
     """
     global _LINEAR_KERNEL
     with _CHOICE_LOCK:  # one measurement per process, even if two threads load models at once
@@ -192,10 +194,15 @@ def _choose_linear_kernel() -> str:
         if forced == "dpbf16":
             log.warning("CONVEYOR_LINEAR_KERNEL=dpbf16, but this CPU or build has no AVX-512 BF16: using oneDNN")
         return "onednn"
-    return forced if forced != "auto" else _measure_linear_kernels(k)
+    if forced != "auto":
+        return forced
+    from conveyor.kernels.decisions import decide
+
+    key = {"torch": torch.__version__, "kernels": getattr(k, "__name__", "")}
+    return decide("bf16 linear kernel", key, lambda: _measure_linear_kernels(k))
 
 
-def _measure_linear_kernels(k) -> str:
+def _measure_linear_kernels(k) -> tuple[str, dict]:
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(1536, 576, generator=g) * 0.05).to(torch.bfloat16)
     x = torch.randn(64, 576, generator=g).to(torch.bfloat16)
@@ -205,7 +212,9 @@ def _measure_linear_kernels(k) -> str:
     best: dict[tuple[str, int], float] = {}
     for rows in (1, 64):
         a = x[:rows].contiguous()
-        for _ in range(5):
+        for run in runs.values():
+            run(a)  # warm: the first call builds oneDNN's primitive
+        for _ in range(9):
             for name, run in runs.items():  # interleaved, so that a noisy moment hits both
                 t0 = time.perf_counter()
                 for _ in range(10):
@@ -214,10 +223,11 @@ def _measure_linear_kernels(k) -> str:
                 best[name, rows] = min(best.get((name, rows), dt), dt)
     choice = ("dpbf16" if best["dpbf16", 1] < best["onednn", 1] and best["dpbf16", 64] <= 1.05 * best["onednn", 64]
               else "onednn")
+    measured = {f"{name} {rows} rows us": round(t * 1e5, 1) for (name, rows), t in best.items()}
     log.info("bf16 linears: %s (measured 576->1536: 1 row %.0f vs %.0f us, 64 rows %.0f vs %.0f us, ours vs oneDNN)",
              choice, best["dpbf16", 1] * 1e5, best["onednn", 1] * 1e5, best["dpbf16", 64] * 1e5,
              best["onednn", 64] * 1e5)
-    return choice
+    return choice, measured
 
 
 def pack_linears(model: nn.Module) -> int:

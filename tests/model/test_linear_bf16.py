@@ -63,9 +63,18 @@ def test_shapes_it_cannot_take_fall_back_to_onednn():
     assert PackedLinear(nn.Linear(64, 48)).kernel == "onednn"  # fp32: oneDNN's
 
 
-def test_the_choice_is_measured_and_can_be_forced(monkeypatch):
-    choice = packed_linear._measure_linear_kernels(_k)
-    assert choice in ("dpbf16", "onednn")
+def test_the_choice_is_measured_once_remembered_and_can_be_forced(monkeypatch, tmp_path):
+    choice, measured = packed_linear._measure_linear_kernels(_k)
+    assert choice in ("dpbf16", "onednn") and len(measured) == 4
+    monkeypatch.setenv("CONVEYOR_CACHE", str(tmp_path))
+    monkeypatch.delenv("CONVEYOR_LINEAR_KERNEL", raising=False)
+    monkeypatch.setattr(packed_linear, "_LINEAR_KERNEL", None)
+    first = packed_linear.linear_kernel()
+    # a later start on this machine reads the decision back instead of timing again (noise cannot flip it)
+    monkeypatch.setattr(packed_linear, "_measure_linear_kernels", lambda k: pytest.fail("measured again"))
+    for _ in range(3):
+        monkeypatch.setattr(packed_linear, "_LINEAR_KERNEL", None)
+        assert packed_linear.linear_kernel() == first
     monkeypatch.setattr(packed_linear, "_LINEAR_KERNEL", None)
     monkeypatch.setenv("CONVEYOR_LINEAR_KERNEL", "onednn")
     assert packed_linear.linear_kernel() == "onednn"
