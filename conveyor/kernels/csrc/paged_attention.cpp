@@ -558,6 +558,8 @@ void apply_token_bitmask_(torch::Tensor logits, torch::Tensor bits, torch::Tenso
 bool linear_bf16_available();
 torch::Tensor linear_bf16_pack(torch::Tensor w);
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed);
+bool linear_amx_available();
+torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed);
 torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k, torch::Tensor top_p,
                           torch::Tensor min_p, torch::Tensor uniform);
 
@@ -579,6 +581,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16_available", &linear_bf16_available, "whether this build has the AVX-512 BF16 linear");
   m.def("linear_bf16_pack", &linear_bf16_pack, "a bf16 weight [N, K] in linear_bf16's layout", release());
   m.def("linear_bf16", &linear_bf16, "x @ W^T in bf16 with vdpbf16ps, batch-invariant (CPU)", release());
+  m.def("linear_amx_available", &linear_amx_available, "whether this build and process can run AMX tiles");
+  m.def("linear_amx", &linear_amx, "x @ W^T in bf16 on AMX tiles, batch-invariant (CPU)", release());
   m.def("sample_rows", &sample_rows, "temperature, top-k, top-p, min-p and one draw per row, no sort (CPU)",
         py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("min_p"),
         py::arg("uniform"), release());
