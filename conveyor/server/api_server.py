@@ -37,6 +37,7 @@ from conveyor.engine.engine_loop import (
     dump_stacks_on_sigusr1,
 )
 from conveyor.engine.llm_engine import LLMEngine
+from conveyor.pooling import default_pooling
 from conveyor.server import protocol as P
 from conveyor.server.async_engine import AsyncEngine
 from conveyor.server.dashboard import DashboardHub, dashboard_html, dashboard_setup
@@ -167,6 +168,7 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
     aengine.metrics = metrics
     serving = OpenAIServing(aengine, [info.model_name], args.request_timeout)
     serving.chat_template, serving.tool_parser = chat_template, tool_parser
+    serving.pooling = args.pooling or default_pooling(engine_config.model)
     hub = DashboardHub(client, dashboard_setup(engine_config, info))
     aengine.observers.append(hub.observe)
     metrics.listeners.append(hub)
@@ -220,6 +222,11 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
     async def chat_completions(request: Request) -> Response:
         check_key(request)
         return await serving.chat(await read_json(request, args.max_request_bytes), request)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        check_key(request)
+        return await serving.embeddings(await read_json(request, args.max_request_bytes), request)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

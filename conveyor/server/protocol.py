@@ -183,6 +183,17 @@ class TokenizeRequest(_Request):
     tools: list[ToolDef] | None = None
 
 
+class EmbeddingRequest(_Request):
+    """OpenAI's /v1/embeddings: one or many inputs, as text or token ids."""
+
+    model: Str | None = None
+    input: PromptField
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[StrictInt, Field(ge=1, le=2**31 - 1)] | None = None
+    user: Str | None = None
+    priority: Int64 = 0  # vLLM extra
+
+
 class DetokenizeRequest(_Request):
     model: Str | None = None
     tokens: list[TokenId]
@@ -333,6 +344,26 @@ class CompletionChunk(_Response):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+
+
+class EmbeddingData(_Response):
+    object: str = "embedding"
+    index: int
+    embedding: list[float] | str  # floats, or base64 of little-endian float32 (encoding_format="base64")
+
+
+class EmbeddingUsage(_Response):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(_Response):
+    id: str
+    object: str = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
 
 
 class ModelCard(_Response):

@@ -159,6 +159,7 @@ class OpenAIServing:
         self._token_strs: dict[int, str] = {}
         self.chat_template: str | None = None  # --chat-template (None: the tokenizer's own)
         self.tool_parser = None  # --tool-call-parser, for tool_choice="auto" (conveyor/server/tool_parsers.py)
+        self.pooling: str | None = None  # /v1/embeddings pooling (--pooling; None: last token)
 
     # --- shared validation ----------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -533,6 +534,12 @@ class OpenAIServing:
         usage = _usage(len(ids), completion_tokens, out[0].num_cached_tokens)
         body = P.ChatCompletionResponse(id=api_id, model=model, choices=choices, usage=usage)
         return Response(body.model_dump_json(), media_type="application/json")
+
+    async def embeddings(self, data: dict, request: Request) -> Response:
+        """/v1/embeddings (conveyor/server/embeddings.py)."""
+        from conveyor.server.embeddings import create_embeddings
+
+        return await create_embeddings(self, data, request)
 
     async def tokenize_endpoint(self, data: dict) -> Response:
         """vLLM's POST /tokenize: {"count", "max_model_len", "tokens"}."""
