@@ -248,7 +248,16 @@ def _multi_turn(tool_server, tiny_llama, AutoTokenizer) -> None:
                          "max_tokens": 100, "temperature": 0})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == len(want)
-    assert r.json()["choices"][0]["message"]["tool_calls"]
+    message = r.json()["choices"][0]["message"]
+    assert message["tool_calls"]
+    # the client's own round trip: the response message goes back into the history as it came
+    with openai.OpenAI(base_url=tool_server.base_url, api_key=API_KEY, max_retries=0) as c:
+        m = c.chat.completions.create(model=MODEL, messages=api_messages[:2], tools=tools, tool_choice="required",
+                                      max_tokens=100, temperature=0).choices[0].message
+        history = api_messages[:2] + [m.model_dump(exclude_none=True), {
+            "role": "tool", "tool_call_id": m.tool_calls[0].id, "content": "18"}]
+        again = c.chat.completions.create(model=MODEL, messages=history, tools=tools, max_tokens=5)
+        assert again.choices[0].message.content is not None
 
 
 BAD_PARAMS = {"type": "objekt"}
