@@ -312,3 +312,20 @@ def test_unknown_parser_and_bad_template_are_startup_errors(tiny_llama):
         build_app(cfg, ServerArgs(enable_auto_tool_choice=True))
     with pytest.raises(ValueError, match="chat-template"):
         build_app(cfg, ServerArgs(chat_template="no-such-template"))
+
+
+def test_openai_stream_helper_reassembles_calls(tclient):
+    """The client's own stream helper (`chat.completions.stream`) accumulates the deltas into a final
+    message whose calls equal what the non-streamed request returns for the same seed."""
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "go"}], tools=TOOLS[:6], tool_choice="required",
+              max_tokens=300, temperature=1.0, seed=7)
+    with tclient.chat.completions.stream(**kw) as stream:
+        events = [ev.type for ev in stream]
+        final = stream.get_final_completion().choices[0]
+    whole = tclient.chat.completions.create(**kw).choices[0]
+    assert "tool_calls.function.arguments.done" in events
+    assert final.finish_reason == whole.finish_reason == "tool_calls"
+    got = [(c.function.name, json.loads(c.function.arguments)) for c in final.message.tool_calls]
+    assert got == [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
+    for name, args in got:
+        jsonschema.validate(args, SCHEMA[name])
