@@ -17,6 +17,7 @@ compile is a 400 naming `tools[i].function.parameters`); compiled checks are cac
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from importlib import resources
@@ -36,6 +37,7 @@ from conveyor.server.tool_parsers import (
 # A function that takes no parameters: exactly `{}` (an open object would let a model ramble on)
 _NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 _checked: OrderedDict[str, str | None] = OrderedDict()  # schema JSON -> error (None: valid), LRU
+_checked_lock = threading.Lock()  # requests check their tools in worker threads
 
 
 class ToolError(ValueError):
@@ -82,18 +84,21 @@ def check_tool_args(enable_auto: bool, parser: str | None) -> ToolParser | None:
 
 def _check_schema(schema: dict, param: str) -> None:
     key = json.dumps(schema, sort_keys=True)
-    if key in _checked:
-        _checked.move_to_end(key)
-        error = _checked[key]
-    else:
+    with _checked_lock:
+        known = key in _checked
+        if known:
+            _checked.move_to_end(key)
+            error = _checked[key]
+    if not known:
         try:
             StructuredOutputsParams(json=schema)
             error = None
         except ValueError as e:
             error = str(e).removeprefix("structured_outputs: ")
-        _checked[key] = error
-        if len(_checked) > 512:
-            _checked.popitem(last=False)
+        with _checked_lock:
+            _checked[key] = error
+            if len(_checked) > 512:
+                _checked.popitem(last=False)
     if error is not None:
         raise ToolError(f"{param} is not a valid JSON Schema: {error}", param)
 
