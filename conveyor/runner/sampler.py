@@ -29,6 +29,7 @@ from conveyor.request import Request
 
 if TYPE_CHECKING:
     from conveyor.engine.structured_output import GrammarMask
+    from conveyor.pooling import PooledOutput
 
 
 @dataclass
@@ -39,6 +40,7 @@ class SampleResult:
     logprobs: list  # per row: {token: logprob} for sampled + top-k, or None
     sampled_logprobs: list
     bad: list[int] = field(default_factory=list)  # rows (per-row result) or items (verified) with non-finite logits
+    pooled: list[PooledOutput] = field(default_factory=list)  # embedding requests whose prompt is now computed
 
 
 def _penalise(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:

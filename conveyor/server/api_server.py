@@ -37,11 +37,13 @@ from conveyor.engine.engine_loop import (
     dump_stacks_on_sigusr1,
 )
 from conveyor.engine.llm_engine import LLMEngine
+from conveyor.pooling import default_pooling
 from conveyor.server import protocol as P
 from conveyor.server.async_engine import AsyncEngine
 from conveyor.server.dashboard import DashboardHub, dashboard_html, dashboard_setup
 from conveyor.server.metrics import CONTENT_TYPE, ServerMetrics
 from conveyor.server.serving import ApiError, OpenAIServing, bad_request
+from conveyor.server.tools import add_tool_args, check_tool_args, load_chat_template
 
 log = logging.getLogger("conveyor.server")
 
@@ -70,6 +72,10 @@ class ServerArgs:
     disable_log_requests: bool = False
     uvicorn_log_level: str = "info"
     timeout_keep_alive: float = KEEP_ALIVE_S
+    chat_template: str | None = None  # tools and embeddings: conveyor/server/tools.py, embeddings.py
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    pooling: str | None = None
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> ServerArgs:
@@ -106,6 +112,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout-keep-alive", type=float, default=KEEP_ALIVE_S,
                    help="seconds an idle keep-alive connection stays open; keep it above your clients' idle "
                         f"expiry (httpx and openai: 5 s) (default: {KEEP_ALIVE_S:g})")
+    add_tool_args(p)
 
 
 async def read_json(request: Request, limit: int) -> dict:
@@ -150,6 +157,9 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
     """Load the engine (unless given) and wire the routes; the engine thread starts with the app."""
     args = server_args if isinstance(server_args, ServerArgs) else (
         ServerArgs.from_namespace(server_args) if server_args is not None else ServerArgs())
+    # tool and template flags fail here, before the model loads
+    tool_parser = check_tool_args(args.enable_auto_tool_choice, args.tool_call_parser)
+    chat_template = load_chat_template(args.chat_template)
     client = make_client(engine_config, args.engine_loop, engine)
     info = client.info
     aengine = AsyncEngine(client, max_queued_requests=args.max_queued_requests, log_interval_s=args.log_interval,
@@ -157,6 +167,8 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
     metrics = ServerMetrics(info.model_name, aengine.stats, info)
     aengine.metrics = metrics
     serving = OpenAIServing(aengine, [info.model_name], args.request_timeout)
+    serving.chat_template, serving.tool_parser = chat_template, tool_parser
+    serving.pooling = args.pooling or default_pooling(engine_config.model)
     hub = DashboardHub(client, dashboard_setup(engine_config, info))
     aengine.observers.append(hub.observe)
     metrics.listeners.append(hub)
@@ -210,6 +222,11 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
     async def chat_completions(request: Request) -> Response:
         check_key(request)
         return await serving.chat(await read_json(request, args.max_request_bytes), request)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        check_key(request)
+        return await serving.embeddings(await read_json(request, args.max_request_bytes), request)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
