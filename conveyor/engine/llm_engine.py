@@ -162,6 +162,9 @@ class LLMEngine:
         pool_tokens = self.runner.num_blocks * config.block_size
         model_ctx = ckpt.config.max_position_embeddings
         if config.max_model_len is not None:
+            if config.max_model_len > model_ctx:  # past the RoPE table: the engine thread died on the first long step
+                raise ValueError(f"max_model_len ({config.max_model_len}) is larger than the model's context "
+                                 f"(max_position_embeddings {model_ctx})")
             if config.max_model_len > pool_tokens:
                 raise ValueError(f"max_model_len ({config.max_model_len}) is larger than the KV cache can hold "
                                  f"({pool_tokens} tokens); raise kv_cache_memory")
