@@ -69,8 +69,12 @@ double exp_row(const float* x, int64_t n, float m, float inv_t, float* e) {
 #ifdef __AVX512F__
   const __m512 vm = _mm512_set1_ps(m), vt = _mm512_set1_ps(inv_t);
   __m512 acc = _mm512_setzero_ps();
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (; i + 16 <= n; i += 16) {
-    const __m512 v = conveyor::exp16(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(x + i), vm), vt));
+    const __m512 xi = _mm512_loadu_ps(x + i);
+    // a banned token (-inf: grammar, bias, min_tokens) gets exactly 0, not exp's clamped exp(-87)
+    const __m512 v = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(xi, ninf, _CMP_NEQ_OQ),
+                                         conveyor::exp16(_mm512_mul_ps(_mm512_sub_ps(xi, vm), vt)));
     _mm512_storeu_ps(e + i, v);
     acc = _mm512_add_ps(acc, v);
   }
@@ -78,7 +82,7 @@ double exp_row(const float* x, int64_t n, float m, float inv_t, float* e) {
 #endif
   float tail = 0.0f;
   for (; i < n; ++i) {
-    e[i] = exp_approx((x[i] - m) * inv_t);
+    e[i] = x[i] == -std::numeric_limits<float>::infinity() ? 0.0f : exp_approx((x[i] - m) * inv_t);
     tail += e[i];
   }
   return total + tail;
@@ -230,6 +234,8 @@ int64_t sample_row(const float* x, int64_t V, float temp, int64_t top_k, float t
     t = std::max(t, select_desc(e, V, &s.cand, (double)top_p * Zk, true, s.a, s.b));
   }
   if (min_p > 0.0f) t = std::max(t, min_p);  // relative to the best token, whose e is 1
+  // never a token of probability 0 (banned), nor one whose e underflowed (under 1e-38 of the best's)
+  t = std::max(t, std::numeric_limits<float>::min());
   return draw(e, V, t, u, s.blocks);
 }
 
