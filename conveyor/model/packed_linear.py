@@ -184,10 +184,10 @@ def linear_kernel() -> str:
     """Which kernel runs bf16 linears in this process: "dpbf16", "amx" (ours) or "onednn", decided once.
 
     Not by assumption: every kernel this CPU can run does a SmolLM2-sized matmul (576 -> 1536) at 1 and at
-    64 rows, interleaved, best of 9 each; among those within 5% of the fastest at 64 rows (throughput)
-    the fastest at one row (a single stream's speed) is taken. Measured: on an AMD EPYC Zen 4 ours
-    (dpbf16) 1.8x faster than oneDNN at one row, 1.0-1.2x at 64; on an Intel Xeon with AMX, dpbf16 ~10x
-    slower than oneDNN at 64 rows and amx level with it, 2x faster at one row. The measurement is made
+    64 rows, on one thread, single calls interleaved, best of 25 each; among those within 5% of the fastest
+    at 64 rows (throughput) the fastest at one row (a single stream's speed) is taken. Measured: on an AMD
+    EPYC Zen 4 ours (dpbf16) 1.8x faster than oneDNN at one row, 1.0-1.2x at 64; on an Intel Xeon with AMX
+    (one thread) dpbf16 ~7x slower than oneDNN at 64 rows, amx 1.5x faster than oneDNN at 64 and 3x at one. The measurement is made
     once per kind of machine and remembered (`conveyor/kernels/decisions.py`): timed at every start, one
     start beside a busy process once chose the other kernel. One kernel serves every row count, so outputs
     stay batch-invariant whichever wins. Across processes the kernels may round differently: where runs on
@@ -231,22 +231,26 @@ def _measure_linear_kernels(k, ours: list[str]) -> tuple[str, dict]:
     runs = {name: (lambda a, op=getattr(k, _OPS[name]): op(a, packed)) for name in ours}
     runs["onednn"] = lambda a: torch.ops.mkldnn._linear_pointwise(a, dnn, None, "none", [None], "")
     best: dict[tuple[str, int], float] = {}
-    for rows in (1, 64):
-        a = x[:rows].contiguous()
-        for run in runs.values():
-            run(a)  # warm: the first call builds oneDNN's primitive
-        for _ in range(9):
-            for name, run in runs.items():  # interleaved, so that a noisy moment hits all of them
-                t0 = time.perf_counter()
-                for _ in range(10):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: beside a busy process, a 2-thread call waits for its slower half
+    try:
+        for rows in (1, 64):
+            a = x[:rows].contiguous()
+            for run in runs.values():
+                run(a)  # warm: the first call builds oneDNN's primitive
+            for _ in range(25):
+                for name, run in runs.items():  # interleaved single calls: a noisy moment inflates one sample
+                    t0 = time.perf_counter()
                     run(a)
-                dt = time.perf_counter() - t0
-                best[name, rows] = min(best.get((name, rows), dt), dt)
+                    dt = time.perf_counter() - t0
+                    best[name, rows] = min(best.get((name, rows), dt), dt)
+    finally:
+        torch.set_num_threads(threads)
     fastest64 = min(best[name, 64] for name in runs)
     choice = min((name for name in runs if best[name, 64] <= 1.05 * fastest64), key=lambda name: best[name, 1])
-    measured = {f"{name} {rows} rows us": round(t * 1e5, 1) for (name, rows), t in best.items()}
-    log.info("bf16 linears: %s (measured 576->1536, us per call at 1 / 64 rows: %s)", choice,
-             ", ".join(f"{name} {best[name, 1] * 1e5:.0f} / {best[name, 64] * 1e5:.0f}" for name in runs))
+    measured = {f"{name} {rows} rows us": round(t * 1e6, 1) for (name, rows), t in best.items()}
+    log.info("bf16 linears: %s (measured 576->1536 on one thread, best us per call at 1 / 64 rows: %s)", choice,
+             ", ".join(f"{name} {best[name, 1] * 1e6:.0f} / {best[name, 64] * 1e6:.0f}" for name in runs))
     return choice, measured
 
 
