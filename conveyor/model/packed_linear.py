@@ -183,16 +183,15 @@ _LINEAR_KERNEL: str | None = None
 def linear_kernel() -> str:
     """Which kernel runs bf16 linears in this process: "dpbf16", "amx" (ours) or "onednn", decided once.
 
-    Not by assumption: every kernel this CPU can run does a SmolLM2-sized matmul (576 -> 1536) at 1 and at
-    64 rows, on one thread, single calls interleaved, best of 25 each; among those within 5% of the fastest
-    at 64 rows (throughput) the fastest at one row (a single stream's speed) is taken. Measured: on an AMD
-    EPYC Zen 4 ours (dpbf16) 1.8x faster than oneDNN at one row, 1.0-1.2x at 64; on an Intel Xeon with AMX
-    (one thread) dpbf16 ~7x slower than oneDNN at 64 rows, amx 1.5x faster than oneDNN at 64 and 3x at one. The measurement is made
-    once per kind of machine and remembered (`conveyor/kernels/decisions.py`): timed at every start, one
-    start beside a busy process once chose the other kernel. One kernel serves every row count, so outputs
-    stay batch-invariant whichever wins. Across processes the kernels may round differently: where runs on
-    several processes must match bit for bit (replicas, a server and an offline job), pin the choice with
-    `CONVEYOR_LINEAR_KERNEL`.
+    Not by assumption: every kernel this CPU can run does a SmolLM2-sized matmul (576 -> 1536) at 1 and at 64 rows,
+    on one thread, single calls interleaved, best of 25 each; among those within 5% of the fastest at 64 rows
+    (throughput) the fastest at one row (a single stream's speed) is taken. Measured: on an AMD EPYC Zen 4 ours
+    (dpbf16) 1.8x faster than oneDNN at one row, 1.0-1.2x at 64; on an Intel Xeon with AMX (one thread) dpbf16 ~7x
+    slower than oneDNN at 64 rows, amx 1.5x faster than oneDNN at 64 and 3x at one. The measurement is made once per
+    kind of machine and remembered (`conveyor/kernels/decisions.py`): timed at every start, one start beside a busy
+    process once chose the other kernel. One kernel serves every row count, so outputs stay batch-invariant
+    whichever wins. Across processes the kernels may round differently: where runs on several processes must match
+    bit for bit (replicas, a server and an offline job), pin the choice with `CONVEYOR_LINEAR_KERNEL`.
     """
     global _LINEAR_KERNEL
     with _CHOICE_LOCK:  # one measurement per process, even if two threads load models at once
