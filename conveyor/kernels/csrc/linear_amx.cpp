@@ -57,6 +57,7 @@ struct alignas(64) TileConfig {
 
 constexpr int kTileRows = 16;
 constexpr int kColBlocks = 4;  // C tiles 0-3: 4 blocks of 16 columns; tile 4: A; tiles 5-7: B
+constexpr int64_t kRowChunk = 256;  // rows per pass over the weights (a multiple of 2 x kTileRows)
 
 constexpr int kPrefetchSteps = 4;  // B tiles fetched this many 32-wide K steps ahead (1 KiB each)
 
@@ -166,28 +167,32 @@ torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed) {
     const int nt = omp_get_num_threads(), t = omp_get_thread_num();
     const int64_t lo = nblk * t / nt, hi = nblk * (t + 1) / nt;
     auto rows_at = [&](int64_t r) -> const uint16_t* { return r < full ? xd + r * k : tail.data(); };
-    for (int64_t b = lo; b < hi; b += kColBlocks) {
-      const int nb = static_cast<int>(std::min<int64_t>(kColBlocks, hi - b));
-      int64_t r = 0;
-      for (; r + kTileRows < m; r += 2 * kTileRows) {  // two row groups at a time (prefill, large batches)
-        const int64_t rows1 = std::min<int64_t>(kTileRows, m - r - kTileRows);
-        for (int j = 0; j < nb; j += 2) {
-          if (nb - j >= 2) tile_block_2x2<2>(rows_at(r), rows_at(r + kTileRows), k, wd, kp, b + j, k, cbuf);
-          else tile_block_2x2<1>(rows_at(r), rows_at(r + kTileRows), k, wd, kp, b + j, k, cbuf);
-          for (int c = 0; c < std::min(2, nb - j); ++c) {
-            store_rows(cbuf, c, od, r, kTileRows, n, b + j + c);
-            store_rows(cbuf, c + 2, od, r + kTileRows, rows1, n, b + j + c);
+    // rows in chunks whose activations stay in L2 while every column block of this thread passes over them
+    for (int64_t m0 = 0; m0 < m; m0 += kRowChunk) {
+      const int64_t m1 = std::min(m, m0 + kRowChunk);
+      for (int64_t b = lo; b < hi; b += kColBlocks) {
+        const int nb = static_cast<int>(std::min<int64_t>(kColBlocks, hi - b));
+        int64_t r = m0;
+        for (; r + kTileRows < m1; r += 2 * kTileRows) {  // two row groups at a time (prefill, large batches)
+          const int64_t rows1 = std::min<int64_t>(kTileRows, m1 - r - kTileRows);
+          for (int j = 0; j < nb; j += 2) {
+            if (nb - j >= 2) tile_block_2x2<2>(rows_at(r), rows_at(r + kTileRows), k, wd, kp, b + j, k, cbuf);
+            else tile_block_2x2<1>(rows_at(r), rows_at(r + kTileRows), k, wd, kp, b + j, k, cbuf);
+            for (int c = 0; c < std::min(2, nb - j); ++c) {
+              store_rows(cbuf, c, od, r, kTileRows, n, b + j + c);
+              store_rows(cbuf, c + 2, od, r + kTileRows, rows1, n, b + j + c);
+            }
           }
         }
-      }
-      if (r < m) {  // one row group left (a decode step of up to 16 rows: four column blocks per A load)
-        switch (nb) {
-          case 1: tile_block<1>(rows_at(r), k, wd, kp, b, k, cbuf); break;
-          case 2: tile_block<2>(rows_at(r), k, wd, kp, b, k, cbuf); break;
-          case 3: tile_block<3>(rows_at(r), k, wd, kp, b, k, cbuf); break;
-          default: tile_block<4>(rows_at(r), k, wd, kp, b, k, cbuf); break;
+        if (r < m1) {  // one row group left (a decode step of up to 16 rows: four column blocks per A load)
+          switch (nb) {
+            case 1: tile_block<1>(rows_at(r), k, wd, kp, b, k, cbuf); break;
+            case 2: tile_block<2>(rows_at(r), k, wd, kp, b, k, cbuf); break;
+            case 3: tile_block<3>(rows_at(r), k, wd, kp, b, k, cbuf); break;
+            default: tile_block<4>(rows_at(r), k, wd, kp, b, k, cbuf); break;
+          }
+          for (int j = 0; j < nb; ++j) store_rows(cbuf, j, od, r, std::min<int64_t>(kTileRows, m1 - r), n, b + j);
         }
-        for (int j = 0; j < nb; ++j) store_rows(cbuf, j, od, r, std::min<int64_t>(kTileRows, m - r), n, b + j);
       }
     }
     _tile_release();
