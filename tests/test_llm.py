@@ -167,6 +167,12 @@ def test_max_model_len_larger_than_the_pool(tiny_llama):
         LLM(str(tiny_llama), dtype="float32", num_kv_blocks=4, max_model_len=1024)
 
 
+def test_max_model_len_beyond_the_models_context(tiny_llama):
+    """Past max_position_embeddings (1024 here) the RoPE table ends: refused at startup, not mid-step."""
+    with pytest.raises(ValueError, match="max_position_embeddings 1024"):
+        LLM(str(tiny_llama), dtype="float32", num_kv_blocks=256, max_model_len=2048)
+
+
 @pytest.mark.parametrize("field,value", [("scheduler", "fifo"), ("block_size", 3), ("max_num_seqs", 0),
                                          ("max_num_batched_tokens", 0), ("dtype", "int8"), ("device", "tpu")])
 def test_bad_engine_config_names_the_field(field, value):

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import EngineInfo, EngineSnapshot, KVMap, LLMEngine, StepStats
 from conveyor.outputs import StepDelta
+from conveyor.pooling import PoolingParams
 from conveyor.sampling_params import SamplingParams
 
 log = logging.getLogger("conveyor.engine")
@@ -48,6 +49,7 @@ class AddRequest:
     priority: int = 0
     arrival_time: float | None = None  # time.monotonic(): the same clock in every process on Linux
     cache_salt: str | None = None
+    pooling: PoolingParams | None = None  # an embedding request (conveyor/pooling.py)
 
 
 @dataclass
@@ -107,7 +109,7 @@ class EngineLoop:
             out.added += cmd.params.n
             try:
                 e.add_request(cmd.prompt_token_ids, cmd.params, request_id=cmd.request_id, priority=cmd.priority,
-                              arrival_time=cmd.arrival_time, cache_salt=cmd.cache_salt)
+                              arrival_time=cmd.arrival_time, cache_salt=cmd.cache_salt, pooling=cmd.pooling)
             except Exception as exc:  # validated by the caller, so a bug or a race: keep the engine alive
                 out.failed.append((cmd.request_id, f"{type(exc).__name__}: {exc}"))
         elif isinstance(cmd, AbortRequest):

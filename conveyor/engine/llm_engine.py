@@ -33,6 +33,7 @@ from conveyor.engine.structured_output import StructuredOutputManager
 from conveyor.kv_cache import KVCacheManager
 from conveyor.model.loader import default_sampling, load_checkpoint
 from conveyor.outputs import StepDelta
+from conveyor.pooling import PooledOutput, PoolingParams
 from conveyor.request import Request, sequence_ids
 from conveyor.runner.model_runner import ModelRunner
 from conveyor.sampling_params import SamplingParams
@@ -130,6 +131,7 @@ class EngineInfo:
     batch_invariant: bool
     attention_backend: str
     default_sampling: dict = field(default_factory=dict)  # for requests that set none (--generation-config)
+    hidden_size: int = 0  # the width of an embedding (/v1/embeddings `dimensions` may not exceed it)
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -162,6 +164,9 @@ class LLMEngine:
         pool_tokens = self.runner.num_blocks * config.block_size
         model_ctx = ckpt.config.max_position_embeddings
         if config.max_model_len is not None:
+            if config.max_model_len > model_ctx:  # past the RoPE table: the engine thread died on the first long step
+                raise ValueError(f"max_model_len ({config.max_model_len}) is larger than the model's context "
+                                 f"(max_position_embeddings {model_ctx})")
             if config.max_model_len > pool_tokens:
                 raise ValueError(f"max_model_len ({config.max_model_len}) is larger than the KV cache can hold "
                                  f"({pool_tokens} tokens); raise kv_cache_memory")
@@ -196,7 +201,8 @@ class LLMEngine:
             dtype=str(r.dtype).removeprefix("torch."), weight_dtype=r.weight_dtype, kv_cache_dtype=r.kv_dtype_name,
             block_size=config.block_size, num_kv_blocks=r.num_blocks, bytes_per_block=r.bytes_per_block,
             batch_invariant=r.batch_invariant, attention_backend=r.attention_backend,
-            default_sampling=default_sampling(config.model, config.generation_config))
+            default_sampling=default_sampling(config.model, config.generation_config),
+            hidden_size=ckpt.config.hidden_size)
         if self.info.default_sampling:
             log.info("sampling defaults for requests that set none (--generation-config %s): %s",
                      config.generation_config, self.info.default_sampling)
@@ -243,14 +249,17 @@ class LLMEngine:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     priority: int = 0, arrival_time: float | None = None,
-                    cache_salt: str | None = None) -> list[Request]:
-        """Queue a request (n > 1 fans out into n sequences sharing the prompt). Validates first."""
+                    cache_salt: str | None = None, pooling: PoolingParams | None = None) -> list[Request]:
+        """Queue a request (n > 1 fans out into n sequences sharing the prompt). Validates first.
+        With `pooling` it is an embedding request: prefill only, finished with its vector."""
         self.validate_prompt(prompt_token_ids, params)
         vocab = self.model_config.vocab_size
         if params.logit_bias and any(t >= vocab for t in params.logit_bias):
             raise ValueError(f"logit_bias keys must be token ids below the vocabulary size ({vocab})")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
+        if pooling is not None and (params.n != 1 or params.structured_outputs is not None):
+            raise ValueError("an embedding request samples nothing: n must be 1 and no output grammar")
         request_id = request_id or f"req-{next(self._ids)}"
         ids = sequence_ids(request_id, params.n)
         if any(rid in self.scheduler.requests for rid in ids):
@@ -264,7 +273,7 @@ class LLMEngine:
             req = Request(rid, list(prompt_token_ids), params.for_sample(i) if params.n > 1 else params,
                           eos_token_ids=self.eos_token_ids, parent_id=request_id if params.n > 1 else None,
                           index=i, priority=priority, arrival_time=arrival, cache_salt=cache_salt,
-                          fork_from=reqs[0] if reqs else None)
+                          fork_from=reqs[0] if reqs else None, pooling=pooling)
             req.matcher = matchers[i]
             self.scheduler.add(req)
             reqs.append(req)
@@ -337,6 +346,9 @@ class LLMEngine:
             deltas += self._drop_broken(plan, result)
             token_ids = result.token_ids
         sampled = self.scheduler.update(plan, token_ids)
+        for p in result.pooled if result is not None else ():  # embeddings: done, blocks freed now
+            if p.request_id in self.scheduler.requests:
+                deltas.append(self._finish_pooled(p))
         self.total_prompt_tokens += sum(len(r.prompt_token_ids) for r in plan.admitted if r.num_preemptions == 0)
         lp_iter = iter(result.logprobs if result else [])
         sp_iter = iter(result.sampled_logprobs if result else [])
@@ -350,6 +362,13 @@ class LLMEngine:
         if self.spec is not None:
             self._propose()
         return deltas
+
+    def _finish_pooled(self, p: PooledOutput) -> StepDelta:
+        req = self.scheduler.requests[p.request_id]
+        self.scheduler.finish(req, "stop", None)
+        delta = make_delta(req, [], "", None)
+        delta.embedding = p.embedding
+        return delta
 
     def _fail(self, req: Request, exc: BaseException) -> StepDelta:
         """Finish one request with an error (finish_reason "error", the message in `extra["error"]`) and free

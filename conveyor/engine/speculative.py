@@ -102,7 +102,7 @@ def can_speculate(req: Request) -> bool:
     count output tokens, min_tokens counts them, a grammar follows them) decode one token at a time."""
     p = req.params
     return (req.matcher is None and not p.needs_penalties and len(req.output_token_ids) >= p.min_tokens
-            and req.prompt_logprobs is None)
+            and req.prompt_logprobs is None and req.pooling is None)
 
 
 def ngram_propose(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:

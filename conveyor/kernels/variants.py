@@ -30,7 +30,9 @@ class Variant:
 
 
 X86_VARIANTS = (  # most capable first
-    Variant("avx512bf16", ("-march=x86-64-v4", "-mavx512bf16", "-mtune=generic"), frozenset(_V4 | {"avx512_bf16"}),
+    # AMX intrinsics compile in here too (linear_amx.cpp); they run only where the CPU reports AMX
+    Variant("avx512bf16", ("-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mtune=generic"),
+            frozenset(_V4 | {"avx512_bf16"}),
             "AVX-512 with BF16 dot products (vdpbf16ps): Cooper Lake, Sapphire Rapids and later, AMD Zen 4 and later"),
     Variant("avx512", ("-march=x86-64-v4", "-mtune=generic"), frozenset(_V4),
             "AVX-512 F/BW/CD/DQ/VL (x86-64-v4): Skylake-SP and later, AMD Zen 4"),

@@ -34,6 +34,7 @@ from conveyor.model.quantization import (
     quantize_model,
     tune_dense_threshold,
 )
+from conveyor.pooling import pool_step
 from conveyor.request import ScheduledItem
 from conveyor.runner.sampler import SampleResult, sample
 
@@ -373,6 +374,7 @@ class ModelRunner:
         hidden = self.model(input_ids, pos, self.kv_caches, meta)
         if any(it.request.prompt_logprobs is not None for it in items):
             self.last_prompt_logprobs = self._prompt_logprobs(items, query_lens, hidden)
+        pooled = pool_step(items, query_lens, hidden) if any(it.request.pooling for it in items) else []
         t2 = time.perf_counter()
         rows, reqs, positions, end = [], [], [], 0
         for it, q in zip(items, query_lens):
@@ -384,10 +386,11 @@ class ModelRunner:
                     positions.append(len(it.request.output_token_ids) + j)
         if not rows:
             self.last_phases = (t1 - t0, time.perf_counter() - t1, 0.0, 0.0)
-            return SampleResult([], [], [])
+            return SampleResult([], [], [], pooled=pooled)
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=dev)])
         t3 = time.perf_counter()
         result = verify(sample(logits, reqs, grammar, positions), items)
+        result.pooled = pooled
         self.last_phases = (t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
         return result
 

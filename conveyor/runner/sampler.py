@@ -1,23 +1,35 @@
 """Choose the next token for every request in a step, vectorised over the batch.
 
 Order (as in vLLM): penalties -> logit_bias -> grammar mask -> min_tokens EOS masking -> temperature ->
-top-k -> top-p -> min-p -> sample. Greedy rows take the argmax of the penalised logits. Random rows use
-the exponential-race trick (argmax of p / E, E ~ Exp(1)), which equals multinomial sampling; a seeded
-request draws each token's E from a generator seeded by (seed, position), so its tokens do not depend
-on what else is in the batch.
+top-k -> top-p -> min-p -> sample. Greedy rows take the argmax of the penalised logits. Every other
+row draws one uniform number u and takes the token where the cumulative probability of the kept
+tokens, in token-id order, first exceeds u (inverse-CDF sampling). A seeded request draws its u from
+a generator seeded by (seed, position), so its tokens depend neither on what else is in the batch,
+nor on preemption, nor on speculation.
+
+Two implementations of the cut-offs and the draw, given the same u they pick the same token (up to
+float rounding at a cut-off's edge):
+- the compiled kernel (`conveyor/kernels/csrc/sampler.cpp`): a threshold found by radix selection,
+  no sort; 64 rows of SmolLM2's 49,152 logits in about a millisecond (`benchmarks/sampler.py`);
+- `sample_reference`, pure torch: sorts each row, as vLLM's torch sampler does. It runs where the
+  kernels are not built, on CUDA, and with `CONVEYOR_SAMPLER=torch`, and the kernel is tested
+  against it (`tests/runner/test_sampler_kernel.py`).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from conveyor import kernels
 from conveyor.request import Request
 
 if TYPE_CHECKING:
     from conveyor.engine.structured_output import GrammarMask
+    from conveyor.pooling import PooledOutput
 
 
 @dataclass
@@ -28,6 +40,7 @@ class SampleResult:
     logprobs: list  # per row: {token: logprob} for sampled + top-k, or None
     sampled_logprobs: list
     bad: list[int] = field(default_factory=list)  # rows (per-row result) or items (verified) with non-finite logits
+    pooled: list[PooledOutput] = field(default_factory=list)  # embedding requests whose prompt is now computed
 
 
 def _penalise(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
@@ -57,6 +70,56 @@ def seeded_generator(seed: int, position: int) -> torch.Generator:
     return torch.Generator().manual_seed(hash((seed, position)) & (2**63 - 1))
 
 
+def uniforms(reqs: list[Request], positions: list[int] | None = None) -> torch.Tensor:
+    """One u in [0, 1) per row (float64): from the row's own (seed, position) generator when its request
+    is seeded, else from torch's global generator (one call for all of them)."""
+    u = torch.rand(len(reqs), dtype=torch.float64)
+    for i, r in enumerate(reqs):
+        if r.params.seed is not None:
+            pos = positions[i] if positions is not None else len(r.output_token_ids)
+            u[i] = torch.rand(1, dtype=torch.float64, generator=seeded_generator(r.params.seed, pos))[0]
+    return u
+
+
+def kept_mask(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """The reference cut-offs on tempered logits `x` [B, V]: which tokens top-k, then top-p (on what top-k
+    kept, renormalised: the smallest set whose mass reaches p), then min-p (relative to the best) keep.
+    `top_k` <= 0 or >= V, `top_p` 1 and `min_p` 0 are off. Sorts every row."""
+    v = x.shape[-1]
+    keep = torch.isfinite(x)
+    k = torch.where((top_k <= 0) | (top_k >= v), v, top_k)
+    sorted_x, idx = x.sort(dim=-1, descending=True)
+    kth = sorted_x.gather(1, (k - 1)[:, None])
+    keep &= x >= kth
+    probs_sorted = sorted_x.masked_fill(sorted_x < kth, float("-inf")).softmax(dim=-1)
+    exclusive = probs_sorted.cumsum(dim=-1) - probs_sorted
+    drop_sorted = (exclusive > top_p[:, None]) & (top_p[:, None] < 1)  # keep the smallest set reaching top_p
+    keep &= ~torch.zeros_like(drop_sorted).scatter(1, idx, drop_sorted)
+    probs = x.masked_fill(~keep, float("-inf")).softmax(dim=-1)
+    keep &= probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    return keep
+
+
+def sample_reference(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                     min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Pure torch: the kept tokens' probabilities, and the token where their cumulative sum in token-id order
+    first exceeds u times their total. The reference for the compiled `sample_rows`, and its fallback."""
+    x = logits / temperature[:, None]
+    keep = kept_mask(x, top_k, top_p, min_p)
+    e = torch.exp(x - x.max(dim=-1, keepdim=True).values).masked_fill(~keep, 0.0).double()
+    cum = e.cumsum(dim=-1)
+    target = (u.to(cum.device) * cum[:, -1])[:, None]
+    return torch.searchsorted(cum, target, right=True).clamp(max=x.shape[-1] - 1)[:, 0]
+
+
+def _kernel_sampler():
+    """The compiled `sample_rows`, or None (kernels not built, or `CONVEYOR_SAMPLER=torch`)."""
+    if os.environ.get("CONVEYOR_SAMPLER", "auto") == "torch":
+        return None
+    k = kernels.load()
+    return getattr(k, "sample_rows", None) if k is not None else None
+
+
 def sample(logits: torch.Tensor, reqs: list[Request], grammar: GrammarMask | None = None,
            positions: list[int] | None = None) -> SampleResult:
     """logits: [B, V] float32, one row per request that samples this step; `grammar`: the allowed
@@ -81,37 +144,26 @@ def sample(logits: torch.Tensor, reqs: list[Request], grammar: GrammarMask | Non
     want_logprobs = any(r.params.logprobs is not None for r in reqs)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
-    greedy_list = [r.params.greedy for r in reqs]  # decided on the host: no device sync per step
     top, tokens = logits.max(dim=-1)  # the argmax, and its value: NaN or +-inf means a broken row
     bad = (~torch.isfinite(top)).nonzero().flatten().tolist()
-    if not all(greedy_list):
-        greedy = torch.tensor(greedy_list, device=dev)
-        temps = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in reqs], device=dev)
-        x = logits / temps[:, None]
-        top_k = [r.params.top_k if r.params.top_k > 0 else v for r in reqs]
-        if any(k < v for k in top_k):
-            k_t = torch.tensor(top_k, device=dev).clamp(max=v)
-            kth = x.sort(dim=-1, descending=True).values.gather(1, (k_t - 1)[:, None])
-            x = x.masked_fill(x < kth, float("-inf"))
-        if any(r.params.top_p < 1 for r in reqs):
-            top_p = torch.tensor([r.params.top_p for r in reqs], device=dev)
-            sorted_x, idx = x.sort(dim=-1, descending=True)
-            probs_sorted = sorted_x.softmax(dim=-1)
-            cum = probs_sorted.cumsum(dim=-1)
-            drop_sorted = (cum - probs_sorted) > top_p[:, None]  # keep the smallest set reaching top_p
-            drop = torch.zeros_like(drop_sorted).scatter(1, idx, drop_sorted)
-            x = x.masked_fill(drop, float("-inf"))
-        probs = x.softmax(dim=-1)
-        if any(r.params.min_p > 0 for r in reqs):
-            min_p = torch.tensor([r.params.min_p for r in reqs], device=dev)
-            probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
-        race = torch.empty_like(probs).exponential_()
-        for i, r in enumerate(reqs):
-            if r.params.seed is not None and not r.params.greedy:
-                pos = positions[i] if positions is not None else len(r.output_token_ids)
-                race[i] = torch.empty(v).exponential_(generator=seeded_generator(r.params.seed, pos)).to(dev)
-        sampled = (probs / race).argmax(dim=-1)
-        tokens = torch.where(greedy, tokens, sampled)
+    rows = [i for i, r in enumerate(reqs) if not r.params.greedy]  # decided on the host: no device sync
+    if rows:
+        sub = [reqs[i] for i in rows]
+        x = logits if len(rows) == b else logits[torch.tensor(rows, device=dev)]
+        temperature = torch.tensor([r.params.temperature for r in sub], dtype=torch.float32)
+        top_k = torch.tensor([r.params.top_k for r in sub], dtype=torch.long)
+        top_p = torch.tensor([r.params.top_p for r in sub], dtype=torch.float32)
+        min_p = torch.tensor([r.params.min_p for r in sub], dtype=torch.float32)
+        u = uniforms(sub, None if positions is None else [positions[i] for i in rows])
+        kernel = _kernel_sampler() if dev.type == "cpu" and x.dtype == torch.float32 else None
+        if kernel is not None:
+            sampled = kernel(x.contiguous(), temperature, top_k, top_p, min_p, u)
+        else:
+            sampled = sample_reference(x, *(t.to(dev) for t in (temperature, top_k, top_p, min_p)), u)
+        if len(rows) == b:
+            tokens = sampled.to(dev)
+        else:
+            tokens[torch.tensor(rows, device=dev)] = sampled.to(dev)
 
     token_list = tokens.tolist()
     lps: list[dict[int, float] | None] = [None] * b

@@ -279,7 +279,7 @@ class Ingress:
             self.check_key(request)
             return await self.relay(request, await self.read_body(request))
 
-        for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+        for path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize", "/detokenize"):
             app.add_api_route(path, post, methods=["POST"])
 
         @app.get("/v1/models")

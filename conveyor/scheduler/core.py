@@ -174,7 +174,8 @@ class Scheduler:
         if self._admit_fork(step, req):
             return True
         # a request asking for prompt logprobs computes its whole prompt: a cached prefix has no logits
-        wants_prompt_lp = req.params.prompt_logprobs is not None
+        wants_prompt_lp = req.params.prompt_logprobs is not None or (req.pooling is not None
+                                                                     and req.pooling.needs_every_token)
         cached = self.kv.lookup_prefix(req) if req.num_computed_tokens == 0 and not wants_prompt_lp else []
         num_cached = len(cached) * self.kv.block_size
         want = req.num_tokens - req.num_computed_tokens - num_cached

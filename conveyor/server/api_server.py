@@ -30,6 +30,7 @@ from conveyor.engine.engine_loop import (
     ThreadEngineClient,
 )
 from conveyor.engine.llm_engine import LLMEngine
+from conveyor.pooling import default_pooling
 from conveyor.server import protocol as P
 from conveyor.server.args import KEEP_ALIVE_S, ServerArgs, add_server_args
 from conveyor.server.async_engine import AsyncEngine
@@ -37,6 +38,7 @@ from conveyor.server.dashboard import DashboardHub, dashboard_html, dashboard_se
 from conveyor.server.launch import GracefulServer, bind_listen_socket, run_server
 from conveyor.server.metrics import CONTENT_TYPE, ServerMetrics
 from conveyor.server.serving import ApiError, OpenAIServing, bad_request
+from conveyor.server.tools import check_tool_args, load_chat_template
 
 __all__ = ["KEEP_ALIVE_S", "ServerArgs", "add_server_args", "GracefulServer", "bind_listen_socket", "run_server",
            "build_app", "make_client", "read_json"]
@@ -85,6 +87,9 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
     """Load the engine (unless given) and wire the routes; the engine thread starts with the app."""
     args = server_args if isinstance(server_args, ServerArgs) else (
         ServerArgs.from_namespace(server_args) if server_args is not None else ServerArgs())
+    # tool and template flags fail here, before the model loads
+    tool_parser = check_tool_args(args.enable_auto_tool_choice, args.tool_call_parser)
+    chat_template = load_chat_template(args.chat_template)
     client = make_client(engine_config, args.engine_loop, engine)
     info = client.info
     aengine = AsyncEngine(client, max_queued_requests=args.max_queued_requests, log_interval_s=args.log_interval,
@@ -92,6 +97,8 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
     metrics = ServerMetrics(info.model_name, aengine.stats, info)
     aengine.metrics = metrics
     serving = OpenAIServing(aengine, [info.model_name], args.request_timeout)
+    serving.chat_template, serving.tool_parser = chat_template, tool_parser
+    serving.pooling = args.pooling or default_pooling(engine_config.model)
     hub = DashboardHub(client, dashboard_setup(engine_config, info))
     aengine.observers.append(hub.observe)
     metrics.listeners.append(hub)
@@ -145,6 +152,11 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
     async def chat_completions(request: Request) -> Response:
         check_key(request)
         return await serving.chat(await read_json(request, args.max_request_bytes), request)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        check_key(request)
+        return await serving.embeddings(await read_json(request, args.max_request_bytes), request)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

@@ -32,6 +32,10 @@ class ServerArgs:
     disable_log_requests: bool = False
     uvicorn_log_level: str = "info"
     timeout_keep_alive: float = KEEP_ALIVE_S
+    chat_template: str | None = None  # tools and embeddings: conveyor/server/tools.py, embeddings.py
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    pooling: str | None = None
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> ServerArgs:
@@ -68,5 +72,6 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout-keep-alive", type=float, default=KEEP_ALIVE_S,
                    help="seconds an idle keep-alive connection stays open; keep it above your clients' idle "
                         f"expiry (httpx and openai: 5 s) (default: {KEEP_ALIVE_S:g})")
+    from conveyor.server.tools import add_tool_args
 
-
+    add_tool_args(p)

@@ -31,6 +31,7 @@ from conveyor.engine.engine_loop import (
     Stop,
 )
 from conveyor.outputs import StepDelta
+from conveyor.pooling import PoolingParams
 from conveyor.request import sequence_ids
 from conveyor.sampling_params import SamplingParams
 from conveyor.server.metrics import EngineStats, ServerMetrics
@@ -54,6 +55,7 @@ class EngineInput:
     params: SamplingParams
     priority: int = 0
     cache_salt: str | None = None  # prefix-cache isolation: only requests with the same salt share blocks
+    pooling: PoolingParams | None = None  # an embedding request: pooled, not sampled (conveyor/pooling.py)
 
 
 @dataclass
@@ -244,7 +246,7 @@ class AsyncEngine:
         self.queued_tokens += sum(sub.unstarted.values())
         for inp in inputs:
             self.client.send(AddRequest(inp.request_id, inp.prompt_token_ids, inp.params, inp.priority,
-                                        sub.arrival, inp.cache_salt))
+                                        sub.arrival, inp.cache_salt, inp.pooling))
         return sub
 
     async def abort_all_after(self, grace_s: float) -> None:

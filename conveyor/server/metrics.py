@@ -143,9 +143,37 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.queue_time = Histogram("conveyor:request_queue_time_seconds", "Arrival to first scheduled.", labels,
                                     buckets=_LATENCY_BUCKETS, registry=self.registry)
+        # tool calling and embeddings (conveyor/server/tools.py, embeddings.py)
+        self.tool_call_responses = Counter("conveyor:tool_call_responses", "Chat choices answered with tool calls, "
+                                           "by tool_choice (auto, required, named).", labels + ["tool_choice"],
+                                           registry=self.registry)
+        self.tool_calls = Counter("conveyor:tool_calls", "Tool calls returned, by tool_choice.",
+                                  labels + ["tool_choice"], registry=self.registry)
+        self.embedding_requests = Counter("conveyor:embedding_requests", "/v1/embeddings requests answered.",
+                                          labels, registry=self.registry)
+        self.embedding_inputs = Counter("conveyor:embedding_inputs", "Inputs embedded (a request may hold many).",
+                                        labels, registry=self.registry)
+        self.embedding_prompt_tokens = Counter("conveyor:embedding_prompt_tokens", "Tokens of embedded inputs.",
+                                               labels, registry=self.registry)
         # Pre-create the common label sets so they show up (as 0) before the first request.
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(model_name, reason)
+        for mode in ("auto", "required", "named"):
+            self.tool_call_responses.labels(model_name, mode)
+            self.tool_calls.labels(model_name, mode)
+        for c in (self.embedding_requests, self.embedding_inputs, self.embedding_prompt_tokens):
+            c.labels(model_name)
+
+    def observe_tool_calls(self, mode: str, num_calls: int) -> None:
+        """One chat choice answered with `num_calls` tool calls."""
+        self.tool_call_responses.labels(self.model_name, mode).inc()
+        self.tool_calls.labels(self.model_name, mode).inc(num_calls)
+
+    def observe_embeddings(self, num_inputs: int, num_tokens: int) -> None:
+        """One /v1/embeddings request answered."""
+        self.embedding_requests.labels(self.model_name).inc()
+        self.embedding_inputs.labels(self.model_name).inc(num_inputs)
+        self.embedding_prompt_tokens.labels(self.model_name).inc(num_tokens)
 
     def observe_finish(self, reason: str, ttft: float | None, e2e: float | None, queue: float | None) -> None:
         for listener in self.listeners:

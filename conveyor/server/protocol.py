@@ -111,10 +111,46 @@ class TextPart(_Request):
     text: Str
 
 
+class FunctionCallIn(_Request):
+    name: Str
+    arguments: Str  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(_Request):
+    """A tool call in an earlier assistant message of the conversation."""
+
+    id: Str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class FunctionDef(_Request):
+    name: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: Str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema (checked by the grammar engine)
+    strict: Bool | None = None
+
+
+class ToolDef(_Request):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Request):
+    name: Str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Str | list[TextPart] | None = None
     name: Str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant: the calls it made
+    tool_call_id: Str | None = None  # tool: which call this is the result of
 
     def text(self) -> str:
         if self.content is None:
@@ -130,6 +166,10 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: Bool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
     add_generation_prompt: Bool = True
+    # tool calling (conveyor/server/tools.py)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: Bool = True
 
 
 class TokenizeRequest(_Request):
@@ -140,6 +180,18 @@ class TokenizeRequest(_Request):
     messages: list[ChatMessage] | None = None
     add_special_tokens: Bool = True
     add_generation_prompt: Bool = True
+    tools: list[ToolDef] | None = None
+
+
+class EmbeddingRequest(_Request):
+    """OpenAI's /v1/embeddings: one or many inputs, as text or token ids."""
+
+    model: Str | None = None
+    input: PromptField
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[StrictInt, Field(ge=1, le=2**31 - 1)] | None = None
+    user: Str | None = None
+    priority: Int64 = 0  # vLLM extra
 
 
 class DetokenizeRequest(_Request):
@@ -202,9 +254,42 @@ class ChatLogprobs(_Response):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(_Response):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Response):
+    id: str
+    type: str = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(_Response):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class _DropNone(_Response):
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler) -> dict:
+        """A delta names only what it adds (OpenAI sends no `name: null` after a call's first chunk)."""
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_DropNone):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_DropNone):
+    """A piece of a streamed tool call: the first has id, type and name; the rest argument fragments."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunctionCall | None = None
 
 
 class ChatChoice(_Response):
@@ -227,6 +312,7 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(_Response):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler) -> dict:
@@ -258,6 +344,26 @@ class CompletionChunk(_Response):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+
+
+class EmbeddingData(_Response):
+    object: str = "embedding"
+    index: int
+    embedding: list[float] | str  # floats, or base64 of little-endian float32 (encoding_format="base64")
+
+
+class EmbeddingUsage(_Response):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(_Response):
+    id: str
+    object: str = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
 
 
 class ModelCard(_Response):

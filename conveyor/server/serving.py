@@ -26,6 +26,7 @@ from conveyor.engine.output_processor import RequestOutputBuilder
 from conveyor.outputs import RequestOutput
 from conveyor.sampling_params import SamplingParams, StructuredOutputsParams
 from conveyor.server import protocol as P
+from conveyor.server import tools as T
 from conveyor.server.async_engine import AsyncEngine, EngineDeadError, EngineInput, QueueFullError, Submission
 
 _TOKENIZE_IN_THREAD_CHARS = 4096  # longer prompts are tokenized off the event loop
@@ -54,7 +55,8 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
 
 # Fields OpenAI or vLLM define that this server does not implement yet: refused with a 400 naming the
 # field rather than silently ignored (a client relying on them would get output that ignores them).
-_UNSUPPORTED = ("tools", "functions", "suffix")
+_UNSUPPORTED = ("functions", "suffix")
+_CHAT_ONLY = ("tools", "tool_choice")  # served by /v1/chat/completions (conveyor/server/tools.py)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> P.UsageInfo:
@@ -63,13 +65,13 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> P.
                        prompt_tokens_details=P.PromptTokensDetails(cached_tokens=cached_tokens))
 
 
-def refuse_unsupported(data: dict) -> None:
-    for name in _UNSUPPORTED:
+def refuse_unsupported(data: dict, chat: bool = False) -> None:
+    for name in _UNSUPPORTED + (() if chat else _CHAT_ONLY):
         value = data.get(name)
-        if value in (None, [], "", {}):
+        if value in (None, [], "", {}) or (name == "tool_choice" and value == "none"):
             continue
         raise bad_request(f"'{name}' is not supported by this server yet", name)
-    for name in ("tool_choice", "function_call"):
+    for name in ("function_call",):
         if data.get(name) not in (None, "none"):
             raise bad_request(f"'{name}' is not supported by this server yet (no tools)", name)
     best_of = data.get("best_of")
@@ -155,6 +157,9 @@ class OpenAIServing:
         # No prompt longer than this many characters can fit in max_model_len tokens: reject without tokenizing.
         self.max_prompt_chars = self.max_model_len * max(longest, 16) + 1024
         self._token_strs: dict[int, str] = {}
+        self.chat_template: str | None = None  # --chat-template (None: the tokenizer's own)
+        self.tool_parser = None  # --tool-call-parser, for tool_choice="auto" (conveyor/server/tool_parsers.py)
+        self.pooling: str | None = None  # /v1/embeddings pooling (--pooling; None: last token)
 
     # --- shared validation ----------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -489,22 +494,29 @@ class OpenAIServing:
     # --- /v1/chat/completions -------------------------------------------------------------------------
     async def chat(self, data: dict, request: Request) -> Response:
         req = parse_model(P.ChatCompletionRequest, data)
-        refuse_unsupported(data)
+        refuse_unsupported(data, chat=True)
         self.check_model(req.model)
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-        ids = await self._render_chat(req)
+        plan = await self._tool_plan(req)
+        ids = await self._render_chat(req, plan.template_tools())
         max_tokens = req.max_completion_tokens or req.max_tokens
         if max_tokens is None:
             max_tokens = max(self.max_model_len - len(ids), 1)
+        structured = await self.structured_outputs(req)
+        if plan.structured is not None:
+            if structured is not None:
+                raise bad_request(f"tool_choice {plan.mode} constrains the output itself: drop the other output "
+                                  "constraint", "tool_choice")
+            structured = plan.structured
         params = self.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
-                                      structured=await self.structured_outputs(req))
+                                      structured=structured)
         self.check_prompt(ids, params, "messages")
         api_id = f"chatcmpl-{uuid.uuid4().hex}"
         sub = self.submit(api_id, [EngineInput(f"{api_id}-0", ids, params, req.priority, req.cache_salt)])
         model = req.model or self.model_names[0]
         if req.stream:
-            return SSEResponse(self._chat_stream(sub, req, model, len(ids)), sub.close)
+            return SSEResponse(self._chat_stream(sub, req, model, len(ids), plan), sub.close)
         out = await self.collect(sub, request)
         if out is None:
             return Response(status_code=499)
@@ -512,11 +524,22 @@ class OpenAIServing:
         for j, c in enumerate(out[0].outputs):
             completion_tokens += len(c.token_ids)
             lp = self._chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0) if req.logprobs else None
-            choices.append(P.ChatChoice(index=j, message=P.ChatResponseMessage(content=c.text), logprobs=lp,
-                                        finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            message, reason = P.ChatResponseMessage(content=c.text), c.finish_reason
+            if plan.active:
+                content, calls = plan.extract(c.text)
+                message = P.ChatResponseMessage(content=content, tool_calls=T.response_calls(calls))
+                reason = self._tool_finish(plan, reason, len(calls))
+            choices.append(P.ChatChoice(index=j, message=message, logprobs=lp,
+                                        finish_reason=reason, stop_reason=c.stop_reason))
         usage = _usage(len(ids), completion_tokens, out[0].num_cached_tokens)
         body = P.ChatCompletionResponse(id=api_id, model=model, choices=choices, usage=usage)
         return Response(body.model_dump_json(), media_type="application/json")
+
+    async def embeddings(self, data: dict, request: Request) -> Response:
+        """/v1/embeddings (conveyor/server/embeddings.py)."""
+        from conveyor.server.embeddings import create_embeddings
+
+        return await create_embeddings(self, data, request)
 
     async def tokenize_endpoint(self, data: dict) -> Response:
         """vLLM's POST /tokenize: {"count", "max_model_len", "tokens"}."""
@@ -527,8 +550,9 @@ class OpenAIServing:
         if req.messages is not None:
             if not req.messages:
                 raise bad_request("messages must not be empty", "messages")
-            chat = P.ChatCompletionRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt)
-            ids = await self._render_chat(chat)
+            chat = P.ChatCompletionRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt,
+                                           tools=req.tools)
+            ids = await self._render_chat(chat, T.ToolPlan("none", req.tools or []).template_tools())
         else:
             if len(req.prompt) > self.max_prompt_chars:
                 raise bad_request("prompt is longer than this model's context could hold", "prompt")
@@ -543,17 +567,39 @@ class OpenAIServing:
             raise bad_request(f"tokens must be below the vocabulary size ({self.vocab_size})", "tokens")
         return JSONResponse({"prompt": self.tokenizer.decode(req.tokens)})
 
-    async def _render_chat(self, req: P.ChatCompletionRequest) -> list[int]:
-        if getattr(self.tokenizer, "chat_template", None) is None:
+    async def _tool_plan(self, req: P.ChatCompletionRequest) -> T.ToolPlan:
+        """How tools shape this request (checks its schemas off the event loop: milliseconds each)."""
+        try:
+            if not req.tools:
+                return T.plan_tools(req, self.tool_parser)
+            return await asyncio.to_thread(T.plan_tools, req, self.tool_parser)
+        except T.ToolError as e:
+            raise bad_request(str(e), e.param) from None
+
+    def _tool_finish(self, plan: T.ToolPlan, reason: str | None, num_calls: int) -> str | None:
+        """OpenAI's "tool_calls" for a choice that ended by itself with calls (counted in /metrics)."""
+        if not num_calls:
+            return reason
+        metrics = self.aengine.metrics
+        if metrics is not None:
+            metrics.observe_tool_calls(plan.mode, num_calls)
+        return "tool_calls" if reason == "stop" else reason
+
+    async def _render_chat(self, req: P.ChatCompletionRequest, tools: list[dict] | None = None) -> list[int]:
+        if self.chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
             raise bad_request("this model has no chat template; use /v1/completions", "messages")
-        conv = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            conv = T.template_messages(req.messages)
+        except T.ToolError as e:
+            raise bad_request(str(e), e.param) from None
         total = sum(len(m["content"]) for m in conv)
         if total > self.max_prompt_chars:
             raise bad_request(f"messages hold {total} characters, more than can fit in this model's maximum "
                               f"context length of {self.max_model_len} tokens", "messages")
+        kw = {"chat_template": self.chat_template} if self.chat_template is not None else {}
         try:
-            text = self.tokenizer.apply_chat_template(conv, tokenize=False,
-                                                      add_generation_prompt=req.add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(conv, tokenize=False, tools=tools,
+                                                      add_generation_prompt=req.add_generation_prompt, **kw)
         except Exception as e:  # the template may reject a role order or a role it does not know
             raise bad_request(f"messages could not be rendered with the chat template: {e}", "messages") from None
         if not isinstance(text, str):
@@ -572,8 +618,9 @@ class OpenAIServing:
         return P.ChatLogprobs(content=content)
 
     async def _chat_stream(self, sub: Submission, req: P.ChatCompletionRequest, model: str,
-                           num_prompt: int) -> AsyncIterator[str]:
+                           num_prompt: int, plan: T.ToolPlan | None = None) -> AsyncIterator[str]:
         created = int(time.time())
+        tool_streams = {j: plan.stream() for j in range(req.n)} if plan is not None and plan.active else {}
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         completion_tokens = cached = 0
 
@@ -596,8 +643,21 @@ class OpenAIServing:
                 if req.logprobs and d.new_logprobs:
                     lp = self._chat_logprobs(d.new_token_ids, d.new_logprobs, req.top_logprobs or 0)
                 delta = P.DeltaMessage(content=d.new_text) if d.new_text or not d.finished else P.DeltaMessage()
+                reason = d.finish_reason
+                ts = tool_streams.get(d.index)
+                if ts is not None:  # tool calls: the parser decides what is content and what is a call
+                    ev = ts.feed(d.new_text)
+                    if d.finished:
+                        ev += ts.finish()
+                        reason = self._tool_finish(plan, reason, len(ts.calls))
+                    if not ev.content and not ev.calls and not d.finished and lp is None:
+                        continue
+                    delta = P.DeltaMessage(content=ev.content or None, tool_calls=[
+                        P.DeltaToolCall(index=c.index, id=c.id, type="function" if c.id else None,
+                                        function=P.DeltaFunctionCall(name=c.name, arguments=c.arguments))
+                        for c in ev.calls] or None)
                 yield chunk(P.ChatStreamChoice(index=d.index, delta=delta, logprobs=lp,
-                                               finish_reason=d.finish_reason, stop_reason=d.stop_reason))
+                                               finish_reason=reason, stop_reason=d.stop_reason))
             if include_usage:
                 usage = _usage(num_prompt, completion_tokens, cached)
                 yield _sse(P.ChatCompletionChunk(id=sub.api_id, created=created, model=model, choices=[],

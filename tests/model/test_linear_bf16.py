@@ -1,5 +1,6 @@
-"""Our AVX-512 BF16 linear kernel (`kernels/csrc/linear_bf16.cpp`) against the plain fp32 matmul, and a
-row's bits independent of the rows beside it, by construction (one vdpbf16ps chain per output)."""
+"""Our bf16 linear kernels against the plain fp32 matmul, and a row's bits independent of the rows beside
+it, by construction: `dpbf16` (`kernels/csrc/linear_bf16.cpp`, one vdpbf16ps chain per output) and `amx`
+(`kernels/csrc/linear_amx.cpp`, one tile element per output, K in order), each where the CPU has it."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ _k = kernels.load()
 pytestmark = pytest.mark.skipif(
     _k is None or not _k.linear_bf16_available() or not packing_available(torch.device("cpu"), torch.bfloat16),
     reason="no AVX-512 BF16 kernel on this CPU or build")
+OURS = [pytest.param(name, marks=pytest.mark.skipif(name not in packed_linear.available_kernels(),
+                                                     reason=f"no {name} on this CPU or build"))
+        for name in ("dpbf16", "amx")]
 
 
 def reference(x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
@@ -25,24 +29,28 @@ def reference(x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
 @pytest.mark.parametrize("m,k,n", [(1, 576, 960), (2, 576, 3072), (7, 1536, 576), (64, 576, 576), (5, 2, 16),
                                    (13, 34, 48), (130, 96, 80), (300, 64, 208)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_matches_the_fp32_matmul(m, k, n, bias):
+@pytest.mark.parametrize("kernel", OURS)
+def test_matches_the_fp32_matmul(m, k, n, bias, kernel):
     """Within bf16's rounding of the output (fp32 accumulation, one rounding at the end), for odd row
     counts, column counts that are not a multiple of the 64-column register block, and more rows than
     one 128-row pass."""
+    if kernel == "amx" and k % 32:
+        k += 32 - k % 32  # AMX tiles take K in steps of 32
     torch.manual_seed(m * 7 + k + n)
     lin = nn.Linear(k, n, bias=bias).bfloat16()
     x = torch.randn(m, k).bfloat16()
-    ours = PackedLinear(lin, kernel="dpbf16")
-    assert ours.kernel == "dpbf16" and ours.row_multiple == 1
+    ours = PackedLinear(lin, kernel=kernel)
+    assert ours.kernel == kernel and ours.row_multiple == 1
     torch.testing.assert_close(ours(x).float(), reference(x, lin).float(), atol=2e-2, rtol=1.6e-2)
     # 3-D inputs keep their leading dims
     assert ours(x.view(1, m, k)).shape == (1, m, n)
 
 
 @pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (576, 3072), (64, 48)])
-def test_rows_are_bit_identical_whatever_the_batch(k, n):
+@pytest.mark.parametrize("kernel", OURS)
+def test_rows_are_bit_identical_whatever_the_batch(k, n, kernel):
     torch.manual_seed(3)
-    lin = PackedLinear(nn.Linear(k, n, bias=False).bfloat16(), kernel="dpbf16")
+    lin = PackedLinear(nn.Linear(k, n, bias=False).bfloat16(), kernel=kernel)
     x = torch.randn(300, k).bfloat16()
     alone = torch.cat([lin(x[i:i + 1]) for i in range(300)])
     for m in [*range(1, 14), 31, 64, 65, 127, 128, 129, 200, 300]:
@@ -50,8 +58,9 @@ def test_rows_are_bit_identical_whatever_the_batch(k, n):
     assert torch.equal(lin(x[5:70]), alone[5:70])  # rows at other offsets too
 
 
-def test_zero_rows():
-    lin = PackedLinear(nn.Linear(32, 16, bias=False).bfloat16(), kernel="dpbf16")
+@pytest.mark.parametrize("kernel", OURS)
+def test_zero_rows(kernel):
+    lin = PackedLinear(nn.Linear(32, 16, bias=False).bfloat16(), kernel=kernel)
     assert lin(torch.empty(0, 32, dtype=torch.bfloat16)).shape == (0, 16)
 
 
@@ -63,9 +72,19 @@ def test_shapes_it_cannot_take_fall_back_to_onednn():
     assert PackedLinear(nn.Linear(64, 48)).kernel == "onednn"  # fp32: oneDNN's
 
 
-def test_the_choice_is_measured_and_can_be_forced(monkeypatch):
-    choice = packed_linear._measure_linear_kernels(_k)
-    assert choice in ("dpbf16", "onednn")
+def test_the_choice_is_measured_once_remembered_and_can_be_forced(monkeypatch, tmp_path):
+    ours = packed_linear.available_kernels()
+    choice, measured = packed_linear._measure_linear_kernels(_k, ours)
+    assert choice in ("onednn", *ours) and len(measured) == 2 * (1 + len(ours))
+    monkeypatch.setenv("CONVEYOR_CACHE", str(tmp_path))
+    monkeypatch.delenv("CONVEYOR_LINEAR_KERNEL", raising=False)
+    monkeypatch.setattr(packed_linear, "_LINEAR_KERNEL", None)
+    first = packed_linear.linear_kernel()
+    # a later start on this machine reads the decision back instead of timing again (noise cannot flip it)
+    monkeypatch.setattr(packed_linear, "_measure_linear_kernels", lambda *a: pytest.fail("measured again"))
+    for _ in range(3):
+        monkeypatch.setattr(packed_linear, "_LINEAR_KERNEL", None)
+        assert packed_linear.linear_kernel() == first
     monkeypatch.setattr(packed_linear, "_LINEAR_KERNEL", None)
     monkeypatch.setenv("CONVEYOR_LINEAR_KERNEL", "onednn")
     assert packed_linear.linear_kernel() == "onednn"
@@ -76,10 +95,11 @@ def test_the_choice_is_measured_and_can_be_forced(monkeypatch):
         packed_linear.linear_kernel()
 
 
-def test_the_thread_count_changes_nothing():
+@pytest.mark.parametrize("kernel", OURS)
+def test_the_thread_count_changes_nothing(kernel):
     """Threads split the columns; each output's chain stays the same, so the bits do too."""
     torch.manual_seed(4)
-    lin = PackedLinear(nn.Linear(576, 960, bias=False).bfloat16(), kernel="dpbf16")
+    lin = PackedLinear(nn.Linear(576, 960, bias=False).bfloat16(), kernel=kernel)
     x = torch.randn(9, 576).bfloat16()
     before = torch.get_num_threads()
     try:

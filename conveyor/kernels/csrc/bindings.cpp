@@ -253,6 +253,60 @@ at::Tensor linear_bf16(at::Tensor x, at::Tensor packed) {
   return out;
 }
 
+bool linear_amx_available() { return table().linear_amx != nullptr; }
+
+// out [M, N] = x [M, K] @ W^T on AMX tiles (W packed by linear_bf16_pack), fp32 accumulation, K % 32 == 0.
+at::Tensor linear_amx(at::Tensor x, at::Tensor packed) {
+  TORCH_CHECK(table().linear_amx != nullptr, "linear_amx: the kernel variant '", table().name,
+              "' has no AMX (the CPU lacks it, Linux refused the tile state, or CONVEYOR_CPU_VARIANT chose another)");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
+              "linear_amx: x must be a 2-D bf16 CPU tensor");
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.device().is_cpu() &&
+                  packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 2,
+              "linear_amx: the weight must come from linear_bf16_pack");
+  TORCH_CHECK(packed.size(1) * 2 == x.size(1), "linear_amx: x and the packed weight disagree on K");
+  TORCH_CHECK(x.size(1) % 32 == 0, "linear_amx: K must be a multiple of 32, got ", x.size(1));
+  x = x.contiguous();
+  const int64_t m = x.size(0), k = x.size(1), nblk = packed.size(0);
+  auto out = at::empty({m, nblk * 16}, x.options());
+  if (m == 0) return out;
+  table().linear_amx(reinterpret_cast<const uint16_t*>(x.data_ptr()), reinterpret_cast<const uint16_t*>(packed.data_ptr()),
+                     reinterpret_cast<uint16_t*>(out.data_ptr()), m, k, nblk);
+  return out;
+}
+
+// logits [B, V] float32 (not modified); temperature/top_p/min_p [B] float32, top_k [B] int64 (<= 0 or >= V:
+// off), uniform [B] float64 in [0, 1). Returns the sampled token of each row, int64 [B] (sampler.cpp).
+at::Tensor sample_rows(at::Tensor logits, at::Tensor temperature, at::Tensor top_k, at::Tensor top_p,
+                       at::Tensor min_p, at::Tensor uniform) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous() &&
+                  logits.device().is_cpu(),
+              "sample_rows: logits must be a contiguous [B, V] float32 CPU tensor");
+  const int64_t B = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(V > 0 && V < (int64_t(1) << 31), "sample_rows: bad vocabulary size");
+  auto check = [B](const at::Tensor& t, at::ScalarType dt, const char* name) {
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == B && t.scalar_type() == dt && t.is_contiguous() && t.device().is_cpu(),
+                "sample_rows: ", name, " must be a contiguous [B] CPU tensor of ", dt);
+  };
+  check(temperature, at::kFloat, "temperature");
+  check(top_k, at::kLong, "top_k");
+  check(top_p, at::kFloat, "top_p");
+  check(min_p, at::kFloat, "min_p");
+  check(uniform, at::kDouble, "uniform");
+  const float* temp = temperature.data_ptr<float>();
+  const float* tp = top_p.data_ptr<float>();
+  const float* mp = min_p.data_ptr<float>();
+  const double* u = uniform.data_ptr<double>();
+  for (int64_t r = 0; r < B; ++r)
+    TORCH_CHECK(temp[r] > 0.0f && tp[r] > 0.0f && tp[r] <= 1.0f && mp[r] >= 0.0f && mp[r] <= 1.0f && u[r] >= 0.0 &&
+                    u[r] < 1.0,
+                "sample_rows: row ", r, " has an out-of-range parameter");
+  auto out = at::empty({B}, logits.options().dtype(at::kLong));
+  table().sample_rows(logits.data_ptr<float>(), B, V, temp, top_k.data_ptr<int64_t>(), tp, mp, u,
+                      out.data_ptr<int64_t>());
+  return out;
+}
+
 }  // namespace
 
 namespace py = pybind11;
@@ -280,4 +334,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16_available", &linear_bf16_available, "whether the chosen variant has the AVX-512 BF16 linear");
   m.def("linear_bf16_pack", &linear_bf16_pack, "a bf16 weight [N, K] in linear_bf16's layout", release());
   m.def("linear_bf16", &linear_bf16, "x @ W^T in bf16 with vdpbf16ps, batch-invariant (CPU)", release());
+  m.def("linear_amx_available", &linear_amx_available, "whether the chosen variant and this CPU run AMX tiles");
+  m.def("linear_amx", &linear_amx, "x @ W^T in bf16 on AMX tiles, batch-invariant (CPU)", release());
+  m.def("sample_rows", &sample_rows, "temperature, top-k, top-p, min-p and one draw per row, no sort (CPU)",
+        py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("min_p"),
+        py::arg("uniform"), release());
 }

@@ -84,6 +84,12 @@ struct Table {
                               int64_t num_rows, const int64_t* row_ids) = nullptr;
   void (*linear_bf16)(const uint32_t* x, const uint16_t* packed, uint16_t* out, int64_t m, int64_t k,
                       int64_t n_blocks) = nullptr;
+  // AMX tiles, on linear_bf16's packed layout; set only where the CPU has AMX and Linux grants the tile state
+  void (*linear_amx)(const uint16_t* x, const uint16_t* packed, uint16_t* out, int64_t m, int64_t k,
+                     int64_t n_blocks) = nullptr;
+  void (*sample_rows)(const float* logits, int64_t rows, int64_t vocab, const float* temperature,
+                      const int64_t* top_k, const float* top_p, const float* min_p, const double* uniform,
+                      int64_t* out) = nullptr;
 };
 
 // The thread pool, handed to each variant by the bindings when they load it (at::parallel_for and
