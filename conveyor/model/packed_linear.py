@@ -215,9 +215,8 @@ def _choose_linear_kernel() -> str:
         return forced
     if not ours:
         return "onednn"
-    from conveyor.kernels.decisions import decide
-
     from conveyor import kernels
+    from conveyor.kernels.decisions import decide
 
     k = _kernels()
     key = {"torch": torch.__version__, "kernels": kernels.source_hash(), "variant": kernels.variant(),
