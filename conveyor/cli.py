@@ -118,6 +118,7 @@ def engine_config_from_args(args: argparse.Namespace, populate_default: bool = F
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         scheduler=args.scheduler, **{opt.name: getattr(args, opt.name) for opt in all_options()},
+        slo_ttft_ms=getattr(args, "slo_ttft_ms", None), slo_tpot_ms=getattr(args, "slo_tpot_ms", None),
         enable_prefix_caching=args.enable_prefix_caching, admission_reserve=args.admission_reserve,
         seed=args.seed, attention_backend=args.attention_backend, threads=args.threads,
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,

@@ -48,6 +48,9 @@ class AddRequest:
     priority: int = 0
     arrival_time: float | None = None  # time.monotonic(): the same clock in every process on Linux
     cache_salt: str | None = None
+    tenant: str | None = None  # None: the default tenant
+    slo_ttft_s: float | None = None  # None: the engine's default target, if any
+    slo_tpot_s: float | None = None
 
 
 @dataclass
@@ -107,7 +110,8 @@ class EngineLoop:
             out.added += cmd.params.n
             try:
                 e.add_request(cmd.prompt_token_ids, cmd.params, request_id=cmd.request_id, priority=cmd.priority,
-                              arrival_time=cmd.arrival_time, cache_salt=cmd.cache_salt)
+                              arrival_time=cmd.arrival_time, cache_salt=cmd.cache_salt, tenant=cmd.tenant,
+                              slo_ttft_s=cmd.slo_ttft_s, slo_tpot_s=cmd.slo_tpot_s)
             except Exception as exc:  # validated by the caller, so a bug or a race: keep the engine alive
                 out.failed.append((cmd.request_id, f"{type(exc).__name__}: {exc}"))
         elif isinstance(cmd, AbortRequest):

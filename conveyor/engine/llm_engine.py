@@ -241,14 +241,21 @@ class LLMEngine:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     priority: int = 0, arrival_time: float | None = None,
-                    cache_salt: str | None = None) -> list[Request]:
-        """Queue a request (n > 1 fans out into n sequences sharing the prompt). Validates first."""
+                    cache_salt: str | None = None, tenant: str | None = None, slo_ttft_s: float | None = None,
+                    slo_tpot_s: float | None = None) -> list[Request]:
+        """Queue a request (n > 1 fans out into n sequences sharing the prompt). Validates first.
+
+        `tenant`: who it is served for (None: the default tenant); `slo_ttft_s` / `slo_tpot_s`: its
+        latency targets (None: the config's `slo_ttft_ms` / `slo_tpot_ms`, if any)."""
         self.validate_prompt(prompt_token_ids, params)
         vocab = self.model_config.vocab_size
         if params.logit_bias and any(t >= vocab for t in params.logit_bias):
             raise ValueError(f"logit_bias keys must be token ids below the vocabulary size ({vocab})")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
+        if tenant is not None and not isinstance(tenant, str):
+            raise ValueError(f"tenant must be a string, got {tenant!r}")
+        slo_ttft_s, slo_tpot_s = self._slo_targets(slo_ttft_s, slo_tpot_s)
         request_id = request_id or f"req-{next(self._ids)}"
         ids = sequence_ids(request_id, params.n)
         if any(rid in self.scheduler.requests for rid in ids):
@@ -262,11 +269,24 @@ class LLMEngine:
             req = Request(rid, list(prompt_token_ids), params.for_sample(i) if params.n > 1 else params,
                           eos_token_ids=self.eos_token_ids, parent_id=request_id if params.n > 1 else None,
                           index=i, priority=priority, arrival_time=arrival, cache_salt=cache_salt,
-                          fork_from=reqs[0] if reqs else None)
+                          fork_from=reqs[0] if reqs else None, tenant=tenant, slo_ttft_s=slo_ttft_s,
+                          slo_tpot_s=slo_tpot_s)
             req.matcher = matchers[i]
             self.scheduler.add(req)
             reqs.append(req)
         return reqs
+
+    def _slo_targets(self, ttft: float | None, tpot: float | None) -> tuple[float | None, float | None]:
+        """A request's latency targets in seconds: its own, else the config's defaults (ms)."""
+        out = []
+        for value, default_ms, name in ((ttft, self.config.slo_ttft_ms, "slo_ttft"),
+                                        (tpot, self.config.slo_tpot_ms, "slo_tpot")):
+            if value is None:
+                value = default_ms / 1000.0 if default_ms is not None else None
+            elif isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+            out.append(value)
+        return out[0], out[1]
 
     def abort_request(self, request_id: str) -> list[StepDelta]:
         """Abort a request (all n of its sequences); frees their KV blocks at once. Returns a final

@@ -122,6 +122,7 @@ class Scheduler:
         self._add_guesses(step)
         for req in self.waiting:
             req.waited_steps += 1
+            req.total_waited_steps += 1
         self.step_count += 1
         return step
 

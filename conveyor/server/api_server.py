@@ -42,6 +42,7 @@ from conveyor.server.async_engine import AsyncEngine
 from conveyor.server.dashboard import DashboardHub, dashboard_html, dashboard_setup
 from conveyor.server.metrics import CONTENT_TYPE, ServerMetrics
 from conveyor.server.serving import ApiError, OpenAIServing, bad_request
+from conveyor.server.tenancy import TenantRule
 
 log = logging.getLogger("conveyor.server")
 
@@ -70,6 +71,7 @@ class ServerArgs:
     disable_log_requests: bool = False
     uvicorn_log_level: str = "info"
     timeout_keep_alive: float = KEEP_ALIVE_S
+    tenant_key: str = "user"  # user | api-key | header:NAME (conveyor/server/tenancy.py)
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> ServerArgs:
@@ -103,6 +105,15 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-interval", type=float, default=10.0, help="seconds between engine stats log lines")
     g.add_argument("--disable-log-requests", action="store_true", help="no per-request log line")
     g.add_argument("--uvicorn-log-level", default="info")
+    g.add_argument("--tenant-key", default="user",
+                   help="what names a request's tenant: user (the OpenAI 'user' field), api-key (the key it "
+                        "presented; list several with --api-key k1,k2) or header:NAME; requests without one "
+                        "share the default tenant (default: user)")
+    g.add_argument("--slo-ttft-ms", type=float, default=None,
+                   help="time-to-first-token target of requests that bring none (the slo_ttft_ms request field); "
+                        "deadline-aware strategies and the per-tenant metrics read it (default: none)")
+    g.add_argument("--slo-tpot-ms", type=float, default=None,
+                   help="time-per-output-token target of requests that bring none (slo_tpot_ms) (default: none)")
     g.add_argument("--timeout-keep-alive", type=float, default=KEEP_ALIVE_S,
                    help="seconds an idle keep-alive connection stays open; keep it above your clients' idle "
                         f"expiry (httpx and openai: 5 s) (default: {KEEP_ALIVE_S:g})")
@@ -157,6 +168,7 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
     metrics = ServerMetrics(info.model_name, aengine.stats, info)
     aengine.metrics = metrics
     serving = OpenAIServing(aengine, [info.model_name], args.request_timeout)
+    serving.tenant_rule = TenantRule.parse(args.tenant_key)
     hub = DashboardHub(client, dashboard_setup(engine_config, info))
     aengine.observers.append(hub.observe)
     metrics.listeners.append(hub)
@@ -182,7 +194,8 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
             return
         auth = request.headers.get("authorization", "")
         token = auth[7:] if auth[:7].lower() == "bearer " else ""
-        if not hmac.compare_digest(token.encode(), args.api_key.encode()):
+        # several keys, comma-separated (--tenant-key api-key tells tenants apart by key); compare with each
+        if not any([hmac.compare_digest(token.encode(), k.encode()) for k in args.api_key.split(",") if k]):
             raise ApiError(401, "Incorrect or missing API key; send 'Authorization: Bearer <key>'.",
                            code="invalid_api_key")
 

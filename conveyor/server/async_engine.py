@@ -54,6 +54,9 @@ class EngineInput:
     params: SamplingParams
     priority: int = 0
     cache_salt: str | None = None  # prefix-cache isolation: only requests with the same salt share blocks
+    tenant: str | None = None  # who it is served for (None: the default tenant)
+    slo_ttft_s: float | None = None  # latency targets (None: the engine's defaults)
+    slo_tpot_s: float | None = None
 
 
 @dataclass
@@ -244,7 +247,7 @@ class AsyncEngine:
         self.queued_tokens += sum(sub.unstarted.values())
         for inp in inputs:
             self.client.send(AddRequest(inp.request_id, inp.prompt_token_ids, inp.params, inp.priority,
-                                        sub.arrival, inp.cache_salt))
+                                        sub.arrival, inp.cache_salt, inp.tenant, inp.slo_ttft_s, inp.slo_tpot_s))
         return sub
 
     async def abort_all_after(self, grace_s: float) -> None:

@@ -27,6 +27,7 @@ from conveyor.outputs import RequestOutput
 from conveyor.sampling_params import SamplingParams, StructuredOutputsParams
 from conveyor.server import protocol as P
 from conveyor.server.async_engine import AsyncEngine, EngineDeadError, EngineInput, QueueFullError, Submission
+from conveyor.server.tenancy import TenantRule, slo_seconds
 
 _TOKENIZE_IN_THREAD_CHARS = 4096  # longer prompts are tokenized off the event loop
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "tagged-union"}
@@ -155,6 +156,13 @@ class OpenAIServing:
         # No prompt longer than this many characters can fit in max_model_len tokens: reject without tokenizing.
         self.max_prompt_chars = self.max_model_len * max(longest, 16) + 1024
         self._token_strs: dict[int, str] = {}
+        self.tenant_rule = TenantRule()  # --tenant-key
+
+    def request_fields(self, req: P.CompletionRequest | P.ChatCompletionRequest, request: Request) -> dict:
+        """The strategy-neutral fields of an engine request that come from the HTTP request: its tenant
+        (see `tenancy.py`) and its latency targets."""
+        return dict(tenant=self.tenant_rule.resolve(req.user, request.headers),
+                    slo_ttft_s=slo_seconds(req.slo_ttft_ms), slo_tpot_s=slo_seconds(req.slo_tpot_ms))
 
     # --- shared validation ----------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -360,7 +368,8 @@ class OpenAIServing:
         for _, ids in prompts:
             self.check_prompt(ids, params, "prompt")
         api_id = f"cmpl-{uuid.uuid4().hex}"
-        inputs = [EngineInput(f"{api_id}-{i}", ids, params, req.priority, req.cache_salt)
+        extra = self.request_fields(req, request)
+        inputs = [EngineInput(f"{api_id}-{i}", ids, params, req.priority, req.cache_salt, **extra)
                   for i, (_, ids) in enumerate(prompts)]
         sub = self.submit(api_id, inputs)
         model = req.model or self.model_names[0]
@@ -501,7 +510,8 @@ class OpenAIServing:
                                       structured=await self.structured_outputs(req))
         self.check_prompt(ids, params, "messages")
         api_id = f"chatcmpl-{uuid.uuid4().hex}"
-        sub = self.submit(api_id, [EngineInput(f"{api_id}-0", ids, params, req.priority, req.cache_salt)])
+        sub = self.submit(api_id, [EngineInput(f"{api_id}-0", ids, params, req.priority, req.cache_salt,
+                                               **self.request_fields(req, request))])
         model = req.model or self.model_names[0]
         if req.stream:
             return SSEResponse(self._chat_stream(sub, req, model, len(ids)), sub.close)
