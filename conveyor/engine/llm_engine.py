@@ -36,7 +36,7 @@ from conveyor.request import Request, sequence_ids
 from conveyor.runner.model_runner import ModelRunner
 from conveyor.sampling_params import SamplingParams
 from conveyor.scheduler.core import Scheduler, Step
-from conveyor.scheduler.policies import make_policy
+from conveyor.scheduler.policies import POLICIES, make_policy
 
 log = logging.getLogger("conveyor.engine")
 
@@ -311,7 +311,7 @@ class LLMEngine:
     @property
     def waits_for_end_of_input(self) -> bool:
         """True for a policy that only flushes a partial batch once told `end_input()` (static, no timer)."""
-        return getattr(self.scheduler.policy, "flush_after_s", 0) is None
+        return POLICIES[self.config.scheduler].waits_for_end_of_input(self.config)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
