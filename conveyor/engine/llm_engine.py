@@ -36,7 +36,7 @@ from conveyor.request import Request, sequence_ids
 from conveyor.runner.model_runner import ModelRunner
 from conveyor.sampling_params import SamplingParams
 from conveyor.scheduler.core import Scheduler, Step
-from conveyor.scheduler.policies import POLICIES, make_policy
+from conveyor.scheduler.policies import POLICIES, coerce_options, make_policy
 
 log = logging.getLogger("conveyor.engine")
 
@@ -94,6 +94,8 @@ class EngineSnapshot:
     prefix_queries: int
     prefix_hits: int
     phase_seconds: tuple[tuple[str, float], ...]
+    scheduler: str = ""  # the batching strategy running now
+    scheduler_switches: int = 0  # strategy switches on this engine (`set_scheduler`)
     spec_drafts: int = 0  # speculative decoding: drafts verified, tokens guessed and kept, kept per position
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
@@ -186,6 +188,7 @@ class LLMEngine:
             log.info("speculative decoding (%s, up to %d tokens): forward cost per row count %s", self.spec.method,
                      self.spec.num_speculative_tokens, {n: f"{1e3 * t:.1f}ms" for n, t in costs.items()})
         self._ids = itertools.count()
+        self.scheduler_switches = 0
         self.reset(config)
         r = self.runner
         self.info = EngineInfo(
@@ -302,6 +305,22 @@ class LLMEngine:
     def abort_all(self) -> list[StepDelta]:
         """Abort every request (shutdown, or a lab run that ends): their final "abort" deltas."""
         return [d for gid in {r.group_id for r in self.scheduler.requests.values()} for d in self.abort_request(gid)]
+
+    def set_scheduler(self, name: str, options: dict | None = None) -> EngineConfig:
+        """Switch the batching strategy now, between steps, keeping every request where it is (waiting,
+        running, their KV blocks): only the policy deciding the next steps changes. `options`: the new
+        strategy's own knobs (the rest keep their values). Raises ValueError, changing nothing, if the
+        name or an option is bad. Returns the new config."""
+        cfg = dataclasses.replace(self.config, scheduler=name, **coerce_options(name, options or {}))
+        policy = make_policy(cfg)  # may refuse an option's value (before anything changed)
+        policy.adopt(self.scheduler)
+        self.scheduler.policy = policy
+        self.scheduler.config = cfg
+        self.config = cfg
+        self.scheduler_switches += 1
+        log.info("scheduler switched to %s (%s)", name,
+                 POLICIES[name].describe(dataclasses.asdict(cfg)) or "no options")
+        return cfg
 
     def end_input(self) -> None:
         """No more requests are coming (offline): a static batcher without a flush timer may run its
@@ -502,7 +521,8 @@ class LLMEngine:
             kv_blocks_total=self.kv.pool.num_blocks, prompt_tokens=self.total_prompt_tokens,
             generation_tokens=self.total_generation_tokens, preemptions=self.scheduler.num_preemptions,
             prefix_queries=self.kv.prefix_queries, prefix_hits=self.kv.prefix_hits,
-            phase_seconds=tuple(self.phase_seconds.items()), spec_drafts=self.spec_stats.num_drafts,
+            phase_seconds=tuple(self.phase_seconds.items()), scheduler=self.config.scheduler,
+            scheduler_switches=self.scheduler_switches, spec_drafts=self.spec_stats.num_drafts,
             spec_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_accepted_tokens=self.spec_stats.num_accepted_tokens,
             spec_accepted_per_pos=tuple(self.spec_stats.accepted_per_pos))

@@ -33,6 +33,10 @@ class Policy:
     def schedule(self, s: Scheduler, step: Step) -> None:
         raise NotImplementedError
 
+    def adopt(self, s: Scheduler) -> None:
+        """Take over a live scheduler's requests (a strategy switch on a running server): by default
+        there is nothing to take over, the queues and the KV cache belong to the mechanism."""
+
 
 class ContinuousPolicy(Policy):
     """Orca / early vLLM: FCFS; newcomers are prefilled whole, and a step with prefills runs only
@@ -59,6 +63,10 @@ class StaticPolicy(Policy):
         self.batch_size = batch_size
         self.flush_after_s = flush_after_s
         self.batch: set[str] = set()  # group ids of the running batch
+    def adopt(self, s: Scheduler) -> None:
+        """What runs now is the batch: it runs to completion before a new one forms."""
+        self.batch = {r.group_id for r in s.running}
+
     def ready(self, s: Scheduler) -> bool:
         if len(s.waiting) >= self.batch_size or (s.input_ended and s.waiting):
             return True
@@ -449,6 +457,27 @@ def all_options() -> list[Option]:
 def policy_options(config: EngineConfig) -> dict[str, object]:
     """The options of `config`'s policy, with their values (what the lab's reports show)."""
     return {o.name: getattr(config, o.name) for o in POLICIES[config.scheduler].options}
+
+
+def coerce_options(name: str, options: dict) -> dict[str, object]:
+    """Options for policy `name` given as JSON values: checked against its `PolicySpec` (unknown names and
+    wrong types are a ValueError naming them) and converted to the option's type."""
+    spec = POLICIES.get(name)
+    if spec is None:
+        raise ValueError(f"scheduler must be one of {tuple(POLICIES)}, got {name!r}")
+    known = {o.name: o for o in spec.options}
+    out: dict[str, object] = {}
+    for key, value in options.items():
+        opt = known.get(key)
+        if opt is None:
+            raise ValueError(f"{name} takes no option {key!r} (its options: {', '.join(known) or 'none'})")
+        ok = (value is None or (opt.type is str and isinstance(value, str))
+              or (opt.type in (int, float) and isinstance(value, (int, float)) and not isinstance(value, bool)
+                  and (opt.type is float or float(value).is_integer())))
+        if not ok:
+            raise ValueError(f"{key} must be {opt.type.__name__}, got {value!r}")
+        out[key] = opt.type(value) if value is not None else None
+    return out
 
 
 def make_policy(config: EngineConfig) -> Policy:

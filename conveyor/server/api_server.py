@@ -38,6 +38,7 @@ from conveyor.engine.engine_loop import (
 )
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.server import protocol as P
+from conveyor.server.admin import install_admin_routes
 from conveyor.server.async_engine import AsyncEngine
 from conveyor.server.dashboard import DashboardHub, dashboard_html, dashboard_setup
 from conveyor.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -266,6 +267,8 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    install_admin_routes(app, aengine, check_key, lambda request: read_json(request, args.max_request_bytes))
 
     return app
 

@@ -24,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from conveyor.engine.llm_engine import EngineInfo
+from conveyor.scheduler.policies import POLICIES
 
 disable_created_metrics()  # no `_created` series, as in vLLM: they double the output for nothing
 
@@ -52,6 +53,8 @@ class EngineStats:
     steps: int = 0  # steps that ran at least one sequence
     step_seqs: int = 0  # sum of sequences over those steps
     phase_seconds: tuple[tuple[str, float], ...] = ()  # cumulative seconds per step phase
+    scheduler: str = ""  # the batching strategy running now
+    scheduler_switches: int = 0
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
@@ -96,6 +99,14 @@ class _EngineCollector(Collector):
         yield counter("engine_steps", "Engine steps that ran at least one sequence.", s.steps)
         yield counter("engine_step_seqs", "Sequences summed over engine steps (mean batch = seqs / steps).",
                       s.step_seqs)
+        if s.scheduler:  # which strategy runs: 1 on its series, 0 on every other registered one
+            info = GaugeMetricFamily("conveyor:scheduler_info", "The batching strategy running now (value 1; the "
+                                     "others 0).", labels=["model_name", "scheduler"])
+            for name in POLICIES:
+                info.add_metric([self.model_name, name], float(name == s.scheduler))
+            yield info
+        yield counter("scheduler_switches", "Batching-strategy switches (POST /admin/scheduler).",
+                      s.scheduler_switches)
         phases = CounterMetricFamily("conveyor:engine_step_phase_seconds",
                                      "Seconds the engine spent in each part of its steps (schedule, prepare "
                                      "inputs, forward, LM head, sampling, output update).",
