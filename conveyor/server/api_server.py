@@ -73,6 +73,7 @@ class ServerArgs:
     uvicorn_log_level: str = "info"
     timeout_keep_alive: float = KEEP_ALIVE_S
     tenant_key: str = "user"  # user | api-key | header:NAME (conveyor/server/tenancy.py)
+    metrics_max_tenants: int = 16  # tenants with their own /metrics series; the rest count as "other"
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> ServerArgs:
@@ -110,6 +111,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="what names a request's tenant: user (the OpenAI 'user' field), api-key (the key it "
                         "presented; list several with --api-key k1,k2) or header:NAME; requests without one "
                         "share the default tenant (default: user)")
+    g.add_argument("--metrics-max-tenants", type=int, default=16,
+                   help="tenants that get series of their own in the per-tenant /metrics (the first ones seen); "
+                        "later tenants are counted under tenant=\"other\" (default: 16)")
     g.add_argument("--slo-ttft-ms", type=float, default=None,
                    help="time-to-first-token target of requests that bring none (the slo_ttft_ms request field); "
                         "deadline-aware strategies and the per-tenant metrics read it (default: none)")
@@ -166,7 +170,7 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
     info = client.info
     aengine = AsyncEngine(client, max_queued_requests=args.max_queued_requests, log_interval_s=args.log_interval,
                           max_queued_tokens=args.max_queued_tokens)
-    metrics = ServerMetrics(info.model_name, aengine.stats, info)
+    metrics = ServerMetrics(info.model_name, aengine.stats, info, max_tenants=args.metrics_max_tenants)
     aengine.metrics = metrics
     serving = OpenAIServing(aengine, [info.model_name], args.request_timeout)
     serving.tenant_rule = TenantRule.parse(args.tenant_key)

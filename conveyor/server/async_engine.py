@@ -88,6 +88,7 @@ class Submission:
         self.seqs: dict[str, _Seq] = {}
         self.remaining = sum(inp.params.n for inp in inputs)
         self.closed = False
+        self.tenant = inputs[0].tenant if inputs else None  # one API call, one tenant
         # prompt tokens of engine requests that have produced nothing yet (queued or in prefill), by group id
         self.unstarted = {inp.request_id: len(inp.prompt_token_ids) * inp.params.n for inp in inputs}
 
@@ -106,6 +107,8 @@ class Submission:
                 metrics.observe_itl(t - seq.last_t)
             seq.last_t = t
             seq.num_tokens += len(d.new_token_ids)
+            if metrics is not None:
+                metrics.observe_tenant_tokens(self.tenant, len(d.new_token_ids))
         if d.finished:
             seq.finish_reason = d.finish_reason
             self.remaining -= 1
@@ -114,6 +117,8 @@ class Submission:
                 queued = scheduled - self.arrival if scheduled is not None else None
                 metrics.observe_finish(d.finish_reason, None if seq.first_t is None else seq.first_t - self.arrival,
                                        t - self.arrival, queued)
+                metrics.observe_tenant_finish(self.tenant, len(self.inputs[0].prompt_token_ids) if d.index == 0 else 0,
+                                              None if seq.first_t is None else seq.first_t - self.arrival, queued)
         self.queue.put_nowait(d)
 
     def _fail(self, exc: BaseException) -> None:
