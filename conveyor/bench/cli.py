@@ -25,6 +25,7 @@ from pathlib import Path
 from conveyor.bench.stress import add_stress_parser, cmd_stress
 from conveyor.bench.workloads import WORKLOADS, WorkloadSpec
 from conveyor.cli import add_engine_args, document, engine_config_from_args
+from conveyor.scheduler.policies import POLICIES, default_strategies
 
 log = logging.getLogger("conveyor.bench")
 
@@ -115,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     cmp_ = sub.add_parser("compare", parents=[common],
                           help="every strategy plus no batching, one workload, a Markdown report")
-    cmp_.add_argument("--strategies", default="static,dynamic,continuous,iteration")
+    cmp_.add_argument("--strategies", default=",".join(default_strategies("compare")),
+                      help=f"strategies to compare, of {', '.join(POLICIES)}")
     cmp_.add_argument("--no-baseline", dest="baseline", action="store_false",
                       help="skip the no-batching baseline (continuous, max_num_seqs=1)")
     cmp_.add_argument("--request-rates", type=_rates, default=[1.0, 2.0, 4.0, 8.0],
@@ -165,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--results", type=Path, default=None,
                     help="JSON-lines file of measured points, appended as they come; a rerun with the same file "
                          "and workload resumes (default: bench-results/tune-<workload hash>.jsonl)")
-    tu.add_argument("--strategies", default="iteration,continuous", help="strategies to search")
+    tu.add_argument("--strategies", default=",".join(default_strategies("tune")), help="strategies to search")
     tu.add_argument("--seqs", default="16,64,256", help="max_num_seqs values of the coarse grid")
     tu.add_argument("--tokens", default="512,2048,8192", help="max_num_batched_tokens values of the coarse grid")
     add_workload_args(tu)

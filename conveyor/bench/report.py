@@ -22,14 +22,10 @@ from conveyor.bench.claims import (
 )
 from conveyor.bench.plots import _name, plot_kv_waste, plot_occupancy, plot_throughput, plot_ttft
 from conveyor.bench.result import CompareResults, RunResult
+from conveyor.scheduler.policies import POLICIES
 
-SEED_CLAIMS = {
-    "static": "medium throughput, high waiting latency",
-    "dynamic": "good throughput, medium latency",
-    "continuous": "excellent throughput, low latency",
-    "iteration": "best of both",
-    BASELINE: "(baseline)",
-}
+# what each strategy promises, from its PolicySpec (conveyor/scheduler/policies.py)
+SEED_CLAIMS = {**{name: spec.claim for name, spec in POLICIES.items()}, BASELINE: "(baseline)"}
 
 
 def _ms(x: float | None) -> str:
@@ -169,10 +165,7 @@ def markdown(a: Analysis, data: CompareResults, command: str, occ: list[tuple[st
     cfgs = {r.meta["strategy"]: r.meta["engine_config"] for r in runs}
     md += ["- engine settings per strategy: " + "; ".join(
         f"{_name(s)}: max_num_seqs {c['max_num_seqs']}, budget {c['max_num_batched_tokens']} tokens"
-        + (f", batch_size {c['batch_size']}" if s in ("static", "dynamic") else "")
-        + ((f", flush after {c['static_flush_ms']:g} ms" if c.get("static_flush_ms") else ", no flush timer")
-           if s == "static" else "")
-        + (f", timeout {c['batch_timeout_ms']:g} ms" if s == "dynamic" else "")
+        + (f", {POLICIES[s].describe(c)}" if s in POLICIES and POLICIES[s].options else "")
         for s, c in cfgs.items())]
     md += ["", f"## Comparison table (offered load: {load_txt})", ""]
     md += comparison_table(table, order)

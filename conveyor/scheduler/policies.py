@@ -371,6 +371,18 @@ class Option:
 
 
 @dataclass(frozen=True)
+class Claim:
+    """A claim the lab tests about a strategy (`conveyor bench compare`'s verdicts): its `metric`
+    ("throughput", or "latency": checked on p99 TTFT and median E2E) is below that of strategy `below`,
+    or it is the `extreme` ("highest" | "lowest") of every strategy run. `text` may hold `{metric}`."""
+
+    text: str
+    metric: str
+    below: str | None = None
+    extreme: str | None = None
+
+
+@dataclass(frozen=True)
 class PolicySpec:
     """Everything the engine, the CLI and the lab (report, plots, dashboard, tuner) know about a policy."""
 
@@ -381,8 +393,11 @@ class PolicySpec:
     display: str = ""  # the name in reports and plots (default: `name`)
     color: str = "tab:purple"  # matplotlib colour in the lab's plots and the dashboard
     claim: str = ""  # what it promises, in a few words (the report quotes it to test it)
-    tunable: bool = False  # `conveyor tune` tries it (its options need no workload-specific choice)
+    tunable: bool = False  # `conveyor tune` tries it by default
+    in_compare: bool = False  # `conveyor bench compare` runs it by default
+    no_batching_base: bool = False  # with max_num_seqs 1 it is "no batching" (the lab's baseline)
     waits_for_end_of_input: Callable[[EngineConfig], bool] = lambda c: False  # offline: flushes only at the end
+    claims: tuple[Claim, ...] = ()  # what the lab tests about it against the others
 
     @property
     def shown(self) -> str:
@@ -419,30 +434,49 @@ OUTPUT_WEIGHT = Option("fair_output_token_weight", float, "fair: service a gener
 
 POLICIES: dict[str, PolicySpec] = {spec.name: spec for spec in (
     PolicySpec("static", "run-to-completion batches of batch_size", (BATCH_SIZE, STATIC_FLUSH_MS),
-               lambda c: StaticPolicy(c.batch_size, _flush_s(c)), color="tab:red",
+               lambda c: StaticPolicy(c.batch_size, _flush_s(c)), color="tab:red", in_compare=True,
                claim="medium throughput, high waiting latency",
+               claims=(Claim("static has medium throughput, dynamic good (static < dynamic)", "throughput",
+                             below="dynamic"),
+                       Claim("static has the highest waiting latency ({metric})", "latency", extreme="highest")),
                waits_for_end_of_input=lambda c: _flush_s(c) is None),
     PolicySpec("dynamic", "run-to-completion batches at batch_size or after batch_timeout_ms",
                (BATCH_SIZE, BATCH_TIMEOUT_MS), lambda c: DynamicPolicy(c.batch_size, c.batch_timeout_ms / 1000),
-               color="tab:orange", claim="good throughput, medium latency"),
+               color="tab:orange", claim="good throughput, medium latency", in_compare=True,
+               claims=(Claim("continuous has excellent throughput (dynamic < continuous)", "throughput",
+                             below="continuous"),
+                       Claim("dynamic has lower latency than static ({metric})", "latency", below="static"))),
     PolicySpec("continuous", "join and leave at every step, prompts prefilled whole first", (),
                lambda c: ContinuousPolicy(), color="tab:blue", claim="excellent throughput, low latency",
-               tunable=True),
+               tunable=True, in_compare=True, no_batching_base=True,
+               claims=(Claim("continuous has lower latency than dynamic ({metric})", "latency", below="dynamic"),)),
     PolicySpec("iteration", "one token budget per step: decodes first, chunked prefill, priorities with aging",
                (PARTIAL_PREFILLS, LONG_PREFILL, AGING_STEPS), IterationPolicy, display="iteration-level",
-               color="tab:green", claim="best of both", tunable=True),
+               color="tab:green", claim="best of both", tunable=True, in_compare=True,
+               claims=(Claim("iteration-level has the best throughput", "throughput", extreme="highest"),
+                       Claim("iteration-level has the lowest latency ({metric})", "latency", extreme="lowest"))),
     PolicySpec("priority", "iteration, plus preemption: a waiting request of higher priority (lower value) "
                "preempts the lowest-priority running one when seats or KV run out; aging bounds the wait",
                (PARTIAL_PREFILLS, LONG_PREFILL, AGING_STEPS), PriorityPolicy, color="tab:brown",
                claim="a high-priority request starts at once, the rest still finish"),
     PolicySpec("fair", "iteration, admitting from the tenant with the least weighted service so far (Virtual "
                "Token Counter)", (TENANT_WEIGHTS, OUTPUT_WEIGHT, PARTIAL_PREFILLS, LONG_PREFILL, AGING_STEPS),
-               FairPolicy, color="tab:cyan", claim="a quiet tenant is served as if alone; shares follow weights",
-               tunable=True),
+               FairPolicy, color="tab:cyan", claim="a quiet tenant is served as if alone; shares follow weights"),
     PolicySpec("slo", "iteration, admitting by TTFT deadline; requests already past theirs go last",
                (PARTIAL_PREFILLS, LONG_PREFILL, AGING_STEPS), SloPolicy, color="tab:pink",
                claim="more requests meet their latency targets under overload", tunable=True),
 )}
+
+
+def no_batching_base() -> str:
+    """The strategy that, run with max_num_seqs 1, is the lab's "no batching" baseline."""
+    return next(name for name, spec in POLICIES.items() if spec.no_batching_base)
+
+
+def default_strategies(what: str) -> list[str]:
+    """The strategies `conveyor bench compare` (`what="compare"`) or `conveyor tune` (`"tune"`) runs by default."""
+    flag = {"compare": "in_compare", "tune": "tunable"}[what]
+    return [name for name, spec in POLICIES.items() if getattr(spec, flag)]
 
 
 def all_options() -> list[Option]:
