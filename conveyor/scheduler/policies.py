@@ -7,7 +7,8 @@
 | continuous | anyone, at every step                 | whole                | wait (prefill-first)     |
 | iteration  | anyone, by priority with aging        | chunked, one budget  | go first, never stall    |
 | priority   | as iteration; higher priority preempts lower when seats or KV run out (aging bounds it)  |
-| fair       | as iteration; next from the tenant with the least weighted service (Virtual Token Counter) |
+| fair       | as iteration; next from the tenant with the least weighted service (Virtual Token Counter); |
+|            | a tenant below its share of seats takes one back from the tenant furthest above its own    |
 | slo        | as iteration; by TTFT deadline, requests already past theirs last                         |
 
 Adding a strategy touches this module only (its policy and its `PolicySpec`: options, colour, claim,
@@ -265,9 +266,13 @@ class FairPolicy(IterationPolicy):
     - every tenant has a counter of the service it received: prompt tokens computed, plus
       `fair_output_token_weight` per generated token, divided by the tenant's weight
       (`tenant_weights`, default 1);
-    - the step's mechanics are iteration's (decodes first, chunked prefill, one budget); only the
+    - the step's mechanics are iteration's (decodes first, chunked prefill, one budget); the
       admission order differs: the next request comes from the backlogged tenant with the smallest
       counter (within a tenant: priority, then arrival);
+    - seats: when the running set is full and a tenant holding less than its weighted share of
+      `max_num_seqs` waits, the tenant furthest above its share gives one seat back (its newest
+      request is preempted by recompute), so a quiet tenant's request starts at once beside a noisy
+      one rather than after one of the noisy tenant's requests finishes;
     - counter lift: a tenant that becomes backlogged (arrives, or returns after an idle spell) starts
       at no less than the smallest counter of the tenants already waiting (or, with nobody waiting, of
       the last one to leave the queue), so idle time earns no credit to spend later in a burst.
@@ -305,9 +310,12 @@ class FairPolicy(IterationPolicy):
                                                   r.arrival_time)):
             queues.setdefault(r.tenant_id, []).append(r)
         virtual = {t: self.counters.get(t, 0.0) for t in queues}
+        seats: dict[str, int] = {}  # ties (a tenant just lifted to another's counter) go to the one holding fewer
+        for r in s.running:
+            seats[r.tenant_id] = seats.get(r.tenant_id, 0) + 1
         out = []
         while queues:
-            t = min(queues, key=lambda t: (virtual[t], t))
+            t = min(queues, key=lambda t: (virtual[t], seats.get(t, 0), t))
             r = queues[t].pop(0)
             out.append(r)
             virtual[t] += (r.num_tokens - r.num_computed_tokens + self.output_weight) / self.weight(t)
@@ -315,7 +323,38 @@ class FairPolicy(IterationPolicy):
                 del queues[t]
         return out
 
+    def shares(self, s: Scheduler) -> dict[str, float]:
+        """Each active tenant's fair share of the running set's seats, by weight."""
+        active = {r.tenant_id for r in s.running} | {r.tenant_id for r in s.waiting}
+        total = sum(self.weight(t) for t in active) or 1.0
+        return {t: s.config.max_num_seqs * self.weight(t) / total for t in active}
+
+    def preempt_for_share(self, s: Scheduler, step: Step) -> None:
+        """Seats full and a tenant below its share waiting: take a seat back from the tenant furthest above
+        its share (the newest of its requests, by recompute), so that a quiet tenant's request starts at
+        once beside a noisy one instead of waiting for one of the noisy tenant's requests to finish. A
+        tenant at or below its share is never preempted for another, so this cannot churn."""
+        if not s.waiting or len(s.running) < s.config.max_num_seqs:
+            return
+        share = self.shares(s)
+        seats: dict[str, int] = {}
+        for r in s.running:
+            seats[r.tenant_id] = seats.get(r.tenant_id, 0) + 1
+        for w in self.order_waiting(s):
+            t = w.tenant_id
+            if seats.get(t, 0) + 1 > share[t]:
+                continue
+            over = [u for u in seats if seats[u] - 1 >= share[u] and u != t]
+            if not over or len(s.running) < s.config.max_num_seqs:
+                break
+            u = max(over, key=lambda u: (seats[u] - share[u], self.counters.get(u, 0.0), u))
+            victim = max((r for r in s.running if r.tenant_id == u), key=lambda r: (r.arrival_time, r.request_id))
+            s.preempt(victim, step)
+            seats[u] -= 1
+            seats[t] = seats.get(t, 0) + 1
+
     def schedule(self, s: Scheduler, step: Step) -> None:
+        self.preempt_for_share(s, step)
         super().schedule(s, step)
         for it in step.items:  # charge what this step serves
             r = it.request
