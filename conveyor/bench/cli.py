@@ -57,11 +57,11 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--output-len", type=int, default=64)
     g.add_argument("--range-ratio", type=float, default=0.0,
                    help="lengths uniform in [len*(1-r), len*(1+r)] (random, shared-prefix)")
-    g.add_argument("--long-fraction", type=float, default=0.2, help="longtail: share of long requests")
-    g.add_argument("--short-input", type=_range, default=(32, 128), help="longtail: LO-HI")
-    g.add_argument("--short-output", type=_range, default=(32, 128), help="longtail: LO-HI")
-    g.add_argument("--long-input", type=_range, default=(512, 1500), help="longtail: LO-HI")
-    g.add_argument("--long-output", type=_range, default=(128, 384), help="longtail: LO-HI")
+    g.add_argument("--long-fraction", type=float, default=0.2, help="longtail, mixed-slo: share of long requests")
+    g.add_argument("--short-input", type=_range, default=(32, 128), help="longtail, mixed-slo: LO-HI")
+    g.add_argument("--short-output", type=_range, default=(32, 128), help="longtail, mixed-slo: LO-HI")
+    g.add_argument("--long-input", type=_range, default=(512, 1500), help="longtail, mixed-slo: LO-HI")
+    g.add_argument("--long-output", type=_range, default=(128, 384), help="longtail, mixed-slo: LO-HI")
     g.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: system prompt tokens")
     g.add_argument("--num-prefixes", type=int, default=1,
                    help="shared-prefix: distinct system prompts, taken in turn by the requests")
@@ -74,6 +74,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="n of the n x n x n matmul that measures peak FLOP/s for MFU")
     g.add_argument("--num-kv-blocks", type=int, default=None,
                    help="in-process: exact KV pool size in blocks (overrides --kv-cache-memory)")
+    g.add_argument("--noisy-ratio", type=float, default=8.0,
+                   help="noisy-neighbour: the noisy tenant's request rate over the quiet one's")
 
 
 def workload_from_args(args: argparse.Namespace) -> WorkloadSpec:
@@ -81,7 +83,7 @@ def workload_from_args(args: argparse.Namespace) -> WorkloadSpec:
                         output_len=args.output_len, range_ratio=args.range_ratio, long_fraction=args.long_fraction,
                         short_input=args.short_input, short_output=args.short_output, long_input=args.long_input,
                         long_output=args.long_output, prefix_len=args.prefix_len,
-                        num_prefixes=args.num_prefixes, seed=args.seed)
+                        num_prefixes=args.num_prefixes, seed=args.seed, noisy_ratio=args.noisy_ratio)
 
 
 def lab_engine_config(args: argparse.Namespace):
