@@ -310,14 +310,19 @@ class FairPolicy(IterationPolicy):
                                                   r.arrival_time)):
             queues.setdefault(r.tenant_id, []).append(r)
         virtual = {t: self.counters.get(t, 0.0) for t in queues}
-        seats: dict[str, int] = {}  # ties (a tenant just lifted to another's counter) go to the one holding fewer
+        seats: dict[str, int] = {}
         for r in s.running:
             seats[r.tenant_id] = seats.get(r.tenant_id, 0) + 1
+        share = self.shares(s)
         out = []
         while queues:
-            t = min(queues, key=lambda t: (virtual[t], seats.get(t, 0), t))
+            # a tenant that would go past its share of seats comes after those that would not (so a seat does
+            # not go to one tenant only to be taken back by preemption a step later); then the counters; ties
+            # (a tenant just lifted to another's counter) go to the one holding fewer seats
+            t = min(queues, key=lambda t: (seats.get(t, 0) + 1 > share[t], virtual[t], seats.get(t, 0), t))
             r = queues[t].pop(0)
             out.append(r)
+            seats[t] = seats.get(t, 0) + 1
             virtual[t] += (r.num_tokens - r.num_computed_tokens + self.output_weight) / self.weight(t)
             if not queues[t]:
                 del queues[t]
