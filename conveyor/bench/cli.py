@@ -76,6 +76,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="in-process: exact KV pool size in blocks (overrides --kv-cache-memory)")
     g.add_argument("--noisy-ratio", type=float, default=8.0,
                    help="noisy-neighbour: the noisy tenant's request rate over the quiet one's")
+    g.add_argument("--chat-ttft-ms", type=float, default=1000.0, help="mixed-slo: chat requests' TTFT target")
+    g.add_argument("--chat-tpot-ms", type=float, default=200.0, help="mixed-slo: chat requests' TPOT target")
+    g.add_argument("--batch-ttft-ms", type=float, default=30000.0, help="mixed-slo: batch jobs' TTFT target")
 
 
 def workload_from_args(args: argparse.Namespace) -> WorkloadSpec:
@@ -83,7 +86,9 @@ def workload_from_args(args: argparse.Namespace) -> WorkloadSpec:
                         output_len=args.output_len, range_ratio=args.range_ratio, long_fraction=args.long_fraction,
                         short_input=args.short_input, short_output=args.short_output, long_input=args.long_input,
                         long_output=args.long_output, prefix_len=args.prefix_len,
-                        num_prefixes=args.num_prefixes, seed=args.seed, noisy_ratio=args.noisy_ratio)
+                        num_prefixes=args.num_prefixes, seed=args.seed, noisy_ratio=args.noisy_ratio,
+                        chat_ttft_ms=args.chat_ttft_ms, chat_tpot_ms=args.chat_tpot_ms,
+                        batch_ttft_ms=args.batch_ttft_ms)
 
 
 def lab_engine_config(args: argparse.Namespace):
