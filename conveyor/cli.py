@@ -205,6 +205,8 @@ def engine_config_from_args(args: argparse.Namespace, populate_default: bool = F
     `populate_default`: whether the KV pool is faulted in at startup unless --(no-)kv-cache-populate says
     (on for long-running servers and benchmarks, off for one-off generation)."""
     values = {flag.name: getattr(args, flag.name) for flag in engine_flags()}
+    # requests' default latency targets: `serve --slo-ttft-ms/--slo-tpot-ms`, or the lab's SLO (bench's own flags)
+    values.update(slo_ttft_ms=getattr(args, "slo_ttft_ms", None), slo_tpot_ms=getattr(args, "slo_tpot_ms", None))
     if values["kv_cache_populate"] is None:
         values["kv_cache_populate"] = populate_default
     return EngineConfig(**values, **extra)

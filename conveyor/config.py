@@ -42,6 +42,11 @@ class EngineConfig:
     max_num_partial_prefills: int = 4  # iteration: long prompts prefilled at once
     long_prefill_token_threshold: int = 0  # iteration: a prompt above this counts as long (0: budget/8)
     priority_aging_steps: int = 64  # iteration: steps of waiting that earn one priority level
+    tenant_weights: str | None = None  # per-tenant shares, "a=2,b=1" (tenants not named: 1)
+    fair_output_token_weight: float = 2.0  # a generated token costs this many prompt tokens of service
+    # latency targets for requests that bring none (ms; None: no target); deadline-aware policies read them
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
     enable_prefix_caching: bool = True
     admission_reserve: bool = False  # admit only if prompt + remaining output fits (mini-sglang style)
     seed: int | None = 0  # seeds the generator that sampled requests without their own seed draw from
@@ -72,6 +77,10 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"{name} must be > 0 ms, got {v}")
         if self.attention_backend not in ("auto", "kernel", "torch"):
             raise ValueError(f"attention_backend must be auto, kernel or torch, got {self.attention_backend!r}")
         if self.quantization not in (None, "int8", "int4"):

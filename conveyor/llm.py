@@ -59,8 +59,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        tenant: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; results come back in input order."""
+        """Run every prompt to completion; results come back in input order.
+
+        `priority`: one per prompt, lower first (vLLM's); `tenant`: one name for all prompts or one per
+        prompt (None: the default tenant), for strategies that share the machine between tenants."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
@@ -69,13 +73,18 @@ class LLM:
         param_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(param_list) != len(prompts):
             raise ValueError("sampling_params must be one SamplingParams or one per prompt")
+        tenants = [tenant] * len(prompts) if tenant is None or isinstance(tenant, str) else list(tenant)
+        if len(tenants) != len(prompts):
+            raise ValueError("tenant must be one name or one per prompt")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError("priority must have one entry per prompt")
         encoded = [self._to_ids(p) for p in prompts]  # validate everything before queueing anything
         for (_, ids), sp in zip(encoded, param_list):
             self.engine.validate_prompt(ids, sp)
         builders: dict[str, RequestOutputBuilder] = {}
         requests = {}
         for i, ((text, ids), sp) in enumerate(zip(encoded, param_list)):
-            reqs = self.engine.add_request(ids, sp, priority=priority[i] if priority else 0)
+            reqs = self.engine.add_request(ids, sp, priority=priority[i] if priority else 0, tenant=tenants[i])
             gid = reqs[0].group_id
             builders[gid] = RequestOutputBuilder(gid, sp.n, text, ids, logprobs=sp.logprobs is not None)
             requests[gid] = reqs

@@ -16,6 +16,8 @@ from typing import Any
 from conveyor.pooling import PoolingParams
 from conveyor.sampling_params import SamplingParams
 
+DEFAULT_TENANT = "default"  # the tenant of requests that name none
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -36,6 +38,9 @@ class Request:
     cache_salt: str | None = None
     fork_from: Request | None = field(default=None, repr=False)  # n > 1: share this sibling's prompt blocks
     pooling: PoolingParams | None = None  # an embedding request: prefill only, pooled (conveyor/pooling.py)
+    tenant: str | None = None  # who sent it (the OpenAI `user` field by default); None: DEFAULT_TENANT
+    slo_ttft_s: float | None = None  # latency targets (time to first token, time per output token), if any
+    slo_tpot_s: float | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -58,6 +63,7 @@ class Request:
     last_token_time: float | None = None
     finished_time: float | None = None
     waited_steps: int = 0  # steps spent waiting, for priority aging
+    total_waited_steps: int = 0  # steps spent waiting over its whole life (not reset at admission or preemption)
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
@@ -98,6 +104,16 @@ class Request:
     @property
     def group_id(self) -> str:
         return self.parent_id or self.request_id
+
+    @property
+    def tenant_id(self) -> str:
+        """The tenant this request counts for: its own, or the default one when it named none."""
+        return self.tenant if self.tenant is not None else DEFAULT_TENANT
+
+    @property
+    def ttft_deadline(self) -> float | None:
+        """When its first token is due (arrival + TTFT target), on the `time.monotonic()` clock."""
+        return None if self.slo_ttft_s is None else self.arrival_time + self.slo_ttft_s
 
 
 @dataclass

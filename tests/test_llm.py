@@ -219,3 +219,27 @@ def test_loading_and_generating_show_progress_unless_told_not_to(tiny_llama, cap
     assert len(out[0].outputs[0].token_ids) == 6
     llm.generate(["Hello", "Hi"], greedy(2))
     assert "Processed requests" in capsys.readouterr().err
+def test_generate_takes_tenant_and_priority(llm):
+    """Strategy-neutral request fields, offline: one tenant for all prompts or one per prompt."""
+    prompts = ["a b c", "d e f", "g h i"]
+    seen = []
+    real = llm.engine.add_request
+
+    def recording(ids, sp, **kw):
+        seen.append((kw.get("tenant"), kw.get("priority")))
+        return real(ids, sp, **kw)
+
+    llm.engine.add_request = recording
+    try:
+        plain = llm.generate(prompts, greedy(4), use_tqdm=False)
+        tagged = llm.generate(prompts, greedy(4), use_tqdm=False, tenant=["x", None, "y"], priority=[2, 0, 1])
+        one = llm.generate(prompts[:1], greedy(4), use_tqdm=False, tenant="z")
+    finally:
+        del llm.engine.add_request
+    assert seen == [(None, 0)] * 3 + [("x", 2), (None, 0), ("y", 1), ("z", 0)]
+    assert [o.outputs[0].token_ids for o in tagged] == [o.outputs[0].token_ids for o in plain]
+    assert one[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="tenant"):
+        llm.generate(prompts, greedy(4), use_tqdm=False, tenant=["x"])
+    with pytest.raises(ValueError, match="priority"):
+        llm.generate(prompts, greedy(4), use_tqdm=False, priority=[1])

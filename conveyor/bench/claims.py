@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
+from conveyor.scheduler.policies import POLICIES
+
 if TYPE_CHECKING:
     from conveyor.bench.result import RunResult
 
@@ -148,7 +150,7 @@ def evaluate(results: dict[str, RunResult], baseline: RunResult | None,
     out: list[Verdict] = []
     lo, hi = SPEEDUP_RANGE
     for name, res in results.items():
-        shown = "iteration-level" if name == "iteration" else name
+        shown = POLICIES[name].shown if name in POLICIES else name
         claim = f"{shown} batching gives {lo:g}-{hi:g}x the throughput of no batching"
         if baseline is None or not _throughput(baseline):
             out.append(Verdict(claim, UNTESTED, "no baseline run"))
@@ -164,22 +166,21 @@ def evaluate(results: dict[str, RunResult], baseline: RunResult | None,
             where = "below" if x < lo else "above"
             out.append(Verdict(claim, DISAGREES, f"{detail}, {where} the claimed range"))
 
-    thr = ("output throughput", "tok/s")
-    out.append(judge.order("static has medium throughput, dynamic good (static < dynamic)", "static", "dynamic",
-                           _throughput, *thr))
-    out.append(judge.order("continuous has excellent throughput (dynamic < continuous)", "dynamic", "continuous",
-                           _throughput, *thr))
-    out.append(judge.best("iteration-level has the best throughput", "iteration", _throughput, *thr,
-                          higher_is_better=True))
-    for metric, name in ((_ttft_p99, "p99 TTFT"), (_e2e_p50, "median E2E latency")):
-        out.append(judge.best(f"static has the highest waiting latency ({name})", "static", metric, name, "s",
-                              higher_is_better=True))
-        out.append(judge.order(f"dynamic has lower latency than static ({name})", "dynamic", "static", metric,
-                               name, "s"))
-        out.append(judge.order(f"continuous has lower latency than dynamic ({name})", "continuous", "dynamic",
-                               metric, name, "s"))
-        out.append(judge.best(f"iteration-level has the lowest latency ({name})", "iteration", metric, name, "s",
-                              higher_is_better=False))
+    # each strategy's own claims, from its PolicySpec: throughput first, then latency on each metric
+    metrics = {"throughput": [(_throughput, "output throughput", "tok/s")],
+               "latency": [(_ttft_p99, "p99 TTFT", "s"), (_e2e_p50, "median E2E latency", "s")]}
+    for kind, measures in metrics.items():
+        for metric, metric_name, unit in measures:
+            for name, spec in POLICIES.items():
+                for c in spec.claims:
+                    if c.metric != kind:
+                        continue
+                    text = c.text.format(metric=metric_name)
+                    if c.below is not None:  # the claim: this strategy's metric < `below`'s
+                        out.append(judge.order(text, name, c.below, metric, metric_name, unit))
+                    else:
+                        out.append(judge.best(text, name, metric, metric_name, unit,
+                                              higher_is_better=(c.extreme == "highest")))
     return out
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from conveyor.bench.stress import add_stress_parser, cmd_stress
 from conveyor.bench.workloads import WORKLOADS, WorkloadSpec
 from conveyor.cli import CliParser, add_engine_args, document, engine_config_from_args
+from conveyor.scheduler.policies import POLICIES, default_strategies
 
 log = logging.getLogger("conveyor.bench")
 
@@ -56,11 +57,11 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--output-len", type=int, default=64)
     g.add_argument("--range-ratio", type=float, default=0.0,
                    help="lengths uniform in [len*(1-r), len*(1+r)] (random, shared-prefix)")
-    g.add_argument("--long-fraction", type=float, default=0.2, help="longtail: share of long requests")
-    g.add_argument("--short-input", type=_range, default=(32, 128), help="longtail: LO-HI")
-    g.add_argument("--short-output", type=_range, default=(32, 128), help="longtail: LO-HI")
-    g.add_argument("--long-input", type=_range, default=(512, 1500), help="longtail: LO-HI")
-    g.add_argument("--long-output", type=_range, default=(128, 384), help="longtail: LO-HI")
+    g.add_argument("--long-fraction", type=float, default=0.2, help="longtail, mixed-slo: share of long requests")
+    g.add_argument("--short-input", type=_range, default=(32, 128), help="longtail, mixed-slo: LO-HI")
+    g.add_argument("--short-output", type=_range, default=(32, 128), help="longtail, mixed-slo: LO-HI")
+    g.add_argument("--long-input", type=_range, default=(512, 1500), help="longtail, mixed-slo: LO-HI")
+    g.add_argument("--long-output", type=_range, default=(128, 384), help="longtail, mixed-slo: LO-HI")
     g.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: system prompt tokens")
     g.add_argument("--num-prefixes", type=int, default=1,
                    help="shared-prefix: distinct system prompts, taken in turn by the requests")
@@ -73,6 +74,11 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="n of the n x n x n matmul that measures peak FLOP/s for MFU")
     g.add_argument("--num-kv-blocks", type=int, default=None,
                    help="in-process: exact KV pool size in blocks (overrides --kv-cache-memory)")
+    g.add_argument("--noisy-ratio", type=float, default=8.0,
+                   help="noisy-neighbour: the noisy tenant's request rate over the quiet one's")
+    g.add_argument("--chat-ttft-ms", type=float, default=1000.0, help="mixed-slo: chat requests' TTFT target")
+    g.add_argument("--chat-tpot-ms", type=float, default=200.0, help="mixed-slo: chat requests' TPOT target")
+    g.add_argument("--batch-ttft-ms", type=float, default=30000.0, help="mixed-slo: batch jobs' TTFT target")
 
 
 def workload_from_args(args: argparse.Namespace) -> WorkloadSpec:
@@ -80,7 +86,9 @@ def workload_from_args(args: argparse.Namespace) -> WorkloadSpec:
                         output_len=args.output_len, range_ratio=args.range_ratio, long_fraction=args.long_fraction,
                         short_input=args.short_input, short_output=args.short_output, long_input=args.long_input,
                         long_output=args.long_output, prefix_len=args.prefix_len,
-                        num_prefixes=args.num_prefixes, seed=args.seed)
+                        num_prefixes=args.num_prefixes, seed=args.seed, noisy_ratio=args.noisy_ratio,
+                        chat_ttft_ms=args.chat_ttft_ms, chat_tpot_ms=args.chat_tpot_ms,
+                        batch_ttft_ms=args.batch_ttft_ms)
 
 
 def lab_engine_config(args: argparse.Namespace):
@@ -121,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     cmp_ = sub.add_parser("compare", parents=[common],
                           help="every strategy plus no batching, one workload, a Markdown report")
-    cmp_.add_argument("--strategies", default="static,dynamic,continuous,iteration")
+    cmp_.add_argument("--strategies", default=",".join(default_strategies("compare")),
+                      help=f"strategies to compare, of {', '.join(POLICIES)}")
     cmp_.add_argument("--no-baseline", dest="baseline", action="store_false",
                       help="skip the no-batching baseline (continuous, max_num_seqs=1)")
     cmp_.add_argument("--request-rates", type=_rates, default=[1.0, 2.0, 4.0, 8.0],
@@ -171,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--results", type=Path, default=None,
                     help="JSON-lines file of measured points, appended as they come; a rerun with the same file "
                          "and workload resumes (default: bench-results/tune-<workload hash>.jsonl)")
-    tu.add_argument("--strategies", default="iteration,continuous", help="strategies to search")
+    tu.add_argument("--strategies", default=",".join(default_strategies("tune")), help="strategies to search")
     tu.add_argument("--seqs", default="16,64,256", help="max_num_seqs values of the coarse grid")
     tu.add_argument("--tokens", default="512,2048,8192", help="max_num_batched_tokens values of the coarse grid")
     add_workload_args(tu)

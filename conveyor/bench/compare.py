@@ -28,14 +28,14 @@ from conveyor.bench.workloads import WorkloadSpec, generate
 from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.sampling_params import SamplingParams
-from conveyor.scheduler.policies import POLICIES, policy_options
+from conveyor.scheduler.policies import POLICIES, default_strategies, no_batching_base, policy_options
 
 log = logging.getLogger("conveyor.bench")
 
 
 @dataclass
 class CompareSpec:
-    strategies: list[str] = field(default_factory=lambda: list(POLICIES))
+    strategies: list[str] = field(default_factory=lambda: default_strategies("compare"))
     baseline: bool = True
     request_rates: list[float] = field(default_factory=lambda: [1.0, 2.0, 4.0, 8.0])
     table_rate: float | None = None  # the load the comparison table is taken at (default: the highest)
@@ -65,7 +65,7 @@ class CompareSpec:
 
 def baseline_config(base: EngineConfig) -> EngineConfig:
     """No batching: continuous scheduling with one sequence at a time."""
-    return strategy_config(base, "continuous", max_num_seqs=1)
+    return strategy_config(base, no_batching_base(), max_num_seqs=1)
 
 
 def config_for(base: EngineConfig, strategy: str) -> EngineConfig:
@@ -75,7 +75,7 @@ def config_for(base: EngineConfig, strategy: str) -> EngineConfig:
 def warm_up(engine: LLMEngine, base: EngineConfig, vocab_size: int) -> None:
     """One short batch through the model, so the first measured run does not pay one-time costs
     (thread pool start, allocator growth, lazy kernel selection)."""
-    engine.reset(strategy_config(base, "continuous"))
+    engine.reset(strategy_config(base, no_batching_base()))
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     for i in range(4):
         engine.add_request([100 + (7 * i + j) % max(vocab_size - 100, 1) for j in range(32)], params)

@@ -59,7 +59,9 @@ class EngineBackend:
         fut = self._loop.create_future()
         self._live[rid] = (rec, fut)
         params = SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
-        self.client.send(AddRequest(rid, list(req.prompt_token_ids), params, arrival_time=time.monotonic()))
+        ms = lambda v: v / 1000.0 if v is not None else None  # noqa: E731
+        self.client.send(AddRequest(rid, list(req.prompt_token_ids), params, arrival_time=time.monotonic(),
+                                    tenant=req.tenant, slo_ttft_s=ms(req.slo_ttft_ms), slo_tpot_s=ms(req.slo_tpot_ms)))
         try:
             await fut
         except asyncio.CancelledError:

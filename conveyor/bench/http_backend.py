@@ -139,6 +139,11 @@ class HttpBackend:
             "temperature": 0.0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if req.tenant is not None:
+            payload["user"] = req.tenant
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            if getattr(req, name) is not None:
+                payload[name] = getattr(req, name)
         usage = None
         async with self.client.stream("POST", "/v1/completions", json=payload) as resp:
             if resp.status_code != 200:

@@ -38,6 +38,9 @@ class RequestRecord:
     end: float | None = None
     cached_tokens: int = 0
     error: str | None = None
+    tenant: str | None = None  # the request's, for per-tenant results
+    slo_ttft_ms: float | None = None  # the request's own targets, if it had any
+    slo_tpot_ms: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -111,7 +114,8 @@ async def drive(backend: Backend, requests: list[BenchRequest], load: LoadPatter
                 on_done: Callable[[RequestRecord], None] | None = None,
                 server_pid: int | None = None) -> tuple[list[RequestRecord], RunTiming]:
     """Send every request per `load`; return the records and the run's wall/CPU time."""
-    records = [RequestRecord(i, r.prompt_len, r.max_tokens) for i, r in enumerate(requests)]
+    records = [RequestRecord(i, r.prompt_len, r.max_tokens, tenant=r.tenant, slo_ttft_ms=r.slo_ttft_ms,
+                             slo_tpot_ms=r.slo_tpot_ms) for i, r in enumerate(requests)]
     proc = _process(server_pid)
     cpu0 = _cpu_seconds(proc)
     start = time.monotonic()

@@ -15,10 +15,11 @@ from matplotlib.patches import Patch  # noqa: E402
 from conveyor.bench.analysis import _rate_label  # noqa: E402
 from conveyor.bench.claims import BASELINE  # noqa: E402
 from conveyor.bench.result import RunResult  # noqa: E402
+from conveyor.scheduler.policies import POLICIES  # noqa: E402
 
-DISPLAY = {BASELINE: "no batching", "iteration": "iteration-level"}
-COLORS = {"static": "tab:red", "dynamic": "tab:orange", "continuous": "tab:blue", "iteration": "tab:green",
-          BASELINE: "tab:gray"}
+# names and colours come from each strategy's PolicySpec (conveyor/scheduler/policies.py)
+DISPLAY = {BASELINE: "no batching", **{name: spec.shown for name, spec in POLICIES.items()}}
+COLORS = {BASELINE: "tab:gray", **{name: spec.color for name, spec in POLICIES.items()}}
 ABSENT, WAITING, PREFILL, DECODE = 0, 1, 2, 3
 
 

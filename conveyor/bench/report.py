@@ -22,14 +22,10 @@ from conveyor.bench.claims import (
 )
 from conveyor.bench.plots import _name, plot_kv_waste, plot_occupancy, plot_throughput, plot_ttft
 from conveyor.bench.result import CompareResults, RunResult
+from conveyor.scheduler.policies import POLICIES
 
-SEED_CLAIMS = {
-    "static": "medium throughput, high waiting latency",
-    "dynamic": "good throughput, medium latency",
-    "continuous": "excellent throughput, low latency",
-    "iteration": "best of both",
-    BASELINE: "(baseline)",
-}
+# what each strategy promises, from its PolicySpec (conveyor/scheduler/policies.py)
+SEED_CLAIMS = {**{name: spec.claim for name, spec in POLICIES.items()}, BASELINE: "(baseline)"}
 
 
 def _ms(x: float | None) -> str:
@@ -48,6 +44,25 @@ def _f(x: float | None, fmt: str = ".2f") -> str:
 
 def _count(x: float | None) -> str:
     return "-" if x is None else f"{x:.0f}"
+
+
+def tenant_table(table: dict[str, RunResult], order: list[str]) -> list[str]:
+    """Per-tenant results (multi-tenant workloads): each tenant's service and latency under each strategy,
+    Jain's index of the tenants' output tokens/s, and goodput by each request's own targets."""
+    runs = [(s, table[s]) for s in order if s in table and table[s].tenants]
+    if not runs:
+        return []
+    lines = ["## Per tenant", "",
+             "| strategy | Jain's index | tenant | requests | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | "
+             "goodput (req/s) |", "|---|---|---|---|---|---|---|---|"]
+    for s, r in runs:
+        for k, (tenant, t) in enumerate(r.tenants.items()):
+            lines.append(f"| {'**' + _name(s) + '**' if k == 0 else ''} | {_f(r.jain, '.3f') if k == 0 else ''} | "
+                         f"{tenant} | {t['requests']} | {_f(t['output_tok_s'], '.1f')} | {_ms(t['ttft_p50_s'])} | "
+                         f"{_ms(t['ttft_p99_s'])} | {_f(t['goodput_rps'], '.3f')} |")
+    lines += ["", "Jain's index is over the tenants' output tokens per second (1: equal service, 1/n: one tenant "
+              "took all). Goodput counts the requests that met their own TTFT/TPOT targets (else the run's).", ""]
+    return lines
 
 
 def comparison_table(table: dict[str, RunResult], order: list[str]) -> list[str]:
@@ -169,16 +184,14 @@ def markdown(a: Analysis, data: CompareResults, command: str, occ: list[tuple[st
     cfgs = {r.meta["strategy"]: r.meta["engine_config"] for r in runs}
     md += ["- engine settings per strategy: " + "; ".join(
         f"{_name(s)}: max_num_seqs {c['max_num_seqs']}, budget {c['max_num_batched_tokens']} tokens"
-        + (f", batch_size {c['batch_size']}" if s in ("static", "dynamic") else "")
-        + ((f", flush after {c['static_flush_ms']:g} ms" if c.get("static_flush_ms") else ", no flush timer")
-           if s == "static" else "")
-        + (f", timeout {c['batch_timeout_ms']:g} ms" if s == "dynamic" else "")
+        + (f", {POLICIES[s].describe(c)}" if s in POLICIES and POLICIES[s].options else "")
         for s, c in cfgs.items())]
     md += ["", f"## Comparison table (offered load: {load_txt})", ""]
     md += comparison_table(table, order)
     md += ["", "TTFT counts from the moment the request was sent, so time spent queueing is included. "
            "TPOT is (E2E - TTFT) / (output tokens - 1). MFU = model FLOP/s achieved / peak matmul FLOP/s "
            "measured above. CPU util = CPU time of the process / wall time / cores.", ""]
+    md += tenant_table(table, order)
     md += ["## The seed's claims, tested", "", summary_sentence(verdicts), ""]
     for v in verdicts:
         mark = {"holds": "holds", "tie": "tie", "disagrees": "**disagrees**", "untested": "untested"}[v.status]
@@ -243,6 +256,12 @@ def markdown(a: Analysis, data: CompareResults, command: str, occ: list[tuple[st
 
 
 def _workload_text(w: dict) -> str:
+    if w["name"] == "mixed-slo":
+        return (f"{w['long_fraction']:.0%} batch jobs (tenant batch: prompt {w['long_input'][0]}-{w['long_input'][1]}, "
+                f"output {w['long_output'][0]}-{w['long_output'][1]}, TTFT target {w['batch_ttft_ms']:g} ms), the "
+                f"rest chat (tenant chat: prompt {w['short_input'][0]}-{w['short_input'][1]}, output "
+                f"{w['short_output'][0]}-{w['short_output'][1]}, targets TTFT {w['chat_ttft_ms']:g} ms, TPOT "
+                f"{w['chat_tpot_ms']:g} ms)")
     if w["name"] == "longtail":
         return (f"{w['long_fraction']:.0%} long (prompt {w['long_input'][0]}-{w['long_input'][1]}, output "
                 f"{w['long_output'][0]}-{w['long_output'][1]}), the rest short (prompt {w['short_input'][0]}-"
@@ -253,6 +272,8 @@ def _workload_text(w: dict) -> str:
         k = w.get("num_prefixes", 1)
         shared = "a shared" if k == 1 else f"one of {k} shared"
         text = f"{shared} {w['prefix_len']}-token system prompt{'s' if k > 1 else ''}, then " + text
+    if w["name"] == "noisy-neighbour":
+        text += f"; two tenants, noisy sending {w['noisy_ratio']:g}x as many requests as quiet"
     return text
 
 

@@ -95,6 +95,8 @@ class RunResult:
     utilization: Utilization
     requests: list[dict] = field(default_factory=list)
     steps: list[dict] | None = None  # in-process runs kept for the occupancy plot
+    tenants: dict[str, dict] | None = None  # per tenant (multi-tenant workloads): see `tenant_results`
+    jain: float | None = None  # Jain's fairness index of the tenants' output tokens/s (1 = equal shares)
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -153,10 +155,7 @@ def build_result(records: list[RequestRecord], timing: RunTiming, engine: Engine
     e2es = [r.e2e for r in ok]
     out_tokens = sum(r.output_len for r in ok)
     in_tokens = sum(r.prompt_len for r in ok)
-    slo_ttft_s = slo_ttft_ms / 1000 if slo_ttft_ms is not None else None
-    slo_tpot_s = slo_tpot_ms / 1000 if slo_tpot_ms is not None else None
-    good = sum(meets_slo(r.ttft, tpot(r.e2e, r.ttft, r.output_len) if r.ttft is not None else None,
-                         slo_ttft_s, slo_tpot_s) for r in ok)
+    good = sum(_good(r, slo_ttft_ms, slo_tpot_ms) for r in ok)
 
     util = Utilization(gpu=gpu_util, peak_flops_per_s=peak_flops, num_cpus=timing.num_cpus)
     if timing.cpu_seconds is not None:
@@ -176,8 +175,11 @@ def build_result(records: list[RequestRecord], timing: RunTiming, engine: Engine
     for r in records:
         if not r.ok:
             errors[r.error or "unknown"] = errors.get(r.error or "unknown", 0) + 1
-    slo = slo_ttft_s is not None or slo_tpot_s is not None
+    slo = (slo_ttft_ms is not None or slo_tpot_ms is not None
+           or any(r.slo_ttft_ms is not None or r.slo_tpot_ms is not None for r in records))
+    tenants = tenant_results(records, dur, slo_ttft_ms, slo_tpot_ms)
     return RunResult(
+        tenants=tenants, jain=jain_index([t["output_tok_s"] for t in tenants.values()]) if tenants else None,
         meta=meta or {}, duration_s=dur, num_requests=len(records), completed=len(ok), failed=len(records) - len(ok),
         errors=errors, input_tokens=in_tokens, output_tokens=out_tokens, request_throughput=len(ok) / dur,
         output_throughput=out_tokens / dur, total_token_throughput=(in_tokens + out_tokens) / dur,
@@ -187,10 +189,43 @@ def build_result(records: list[RequestRecord], timing: RunTiming, engine: Engine
         requests=[
             {"index": r.index, "prompt_len": r.prompt_len, "output_len": r.output_len, "max_tokens": r.max_tokens,
              "due_s": r.due, "sent_s": _rel(r.sent, timing.start), "ttft_s": r.ttft, "e2e_s": r.e2e,
-             "cached_tokens": r.cached_tokens, "error": r.error}
+             "cached_tokens": r.cached_tokens, "error": r.error, "tenant": r.tenant}
             for r in records
         ],
     )
+
+
+def _good(r: RequestRecord, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> bool:
+    """Whether a finished request met its own targets, or else the run's."""
+    ttft_ms = r.slo_ttft_ms if r.slo_ttft_ms is not None else slo_ttft_ms
+    tpot_ms = r.slo_tpot_ms if r.slo_tpot_ms is not None else slo_tpot_ms
+    return meets_slo(r.ttft, tpot(r.e2e, r.ttft, r.output_len) if r.ttft is not None else None,
+                     ttft_ms / 1000 if ttft_ms is not None else None, tpot_ms / 1000 if tpot_ms is not None else None)
+
+
+def jain_index(xs: list[float]) -> float | None:
+    """Jain's fairness index: (sum x)^2 / (n sum x^2), 1 when all shares are equal, 1/n when one takes all."""
+    if not xs or not any(xs):
+        return None
+    return sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs))
+
+
+def tenant_results(records: list[RequestRecord], duration: float, slo_ttft_ms: float | None,
+                   slo_tpot_ms: float | None) -> dict[str, dict] | None:
+    """Per tenant: requests, output tokens/s, TTFT p50/p99 (failed requests count as missing), goodput.
+    None when every request belongs to the default tenant."""
+    if all(r.tenant is None for r in records):
+        return None
+    out: dict[str, dict] = {}
+    for name in sorted({r.tenant or "default" for r in records}):
+        mine = [r for r in records if (r.tenant or "default") == name]
+        ok = [r for r in mine if r.ok]
+        ttfts = Summary.of([r.ttft for r in ok if r.ttft is not None])
+        out[name] = {"requests": len(mine), "completed": len(ok),
+                     "output_tok_s": sum(r.output_len for r in ok) / duration,
+                     "ttft_p50_s": ttfts.p50, "ttft_p99_s": ttfts.p99,
+                     "goodput_rps": sum(_good(r, slo_ttft_ms, slo_tpot_ms) for r in ok) / duration}
+    return out
 
 
 def _rel(t: float | None, t0: float) -> float | None:
@@ -249,6 +284,12 @@ def format_result(res: RunResult) -> str:
         total = sum(phases.values())
         split = " / ".join(f"{100 * v / total:.0f}%" for v in phases.values())
         rows.append(("Step time: " + " / ".join(phases), split))
+    for tenant, t in (res.tenants or {}).items():
+        rows.append((f"Tenant {tenant}: requests / output tok/s / TTFT p50 / p99 (ms)",
+                     f"{t['completed']}/{t['requests']} / {_num(t['output_tok_s'], '.1f')} / "
+                     f"{_ms(t['ttft_p50_s'])} / {_ms(t['ttft_p99_s'])}"))
+    if res.jain is not None:
+        rows.append(("Jain's index of tenants' output tok/s", _num(res.jain, ".3f")))
     if res.errors:
         rows.append(("Errors", ", ".join(f"{k}: {v}" for k, v in res.errors.items())))
     width = max(len(k) for k, _ in rows)

@@ -40,10 +40,11 @@ from conveyor.bench.stats import FlopModel, measure_peak_flops
 from conveyor.bench.workloads import WorkloadSpec, generate
 from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
+from conveyor.scheduler.policies import default_strategies
 
 log = logging.getLogger("conveyor.tune")
 
-STRATEGIES = ("iteration", "continuous")
+STRATEGIES = tuple(default_strategies("tune"))  # the PolicySpecs marked tunable
 SEQS = (16, 64, 256)
 TOKENS = (512, 2048, 8192)
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-WORKLOADS = ("random", "longtail", "shared-prefix")
+WORKLOADS = ("random", "longtail", "shared-prefix", "noisy-neighbour", "mixed-slo")
+QUIET, NOISY = "quiet", "noisy"  # noisy-neighbour's tenants
+CHAT, BATCH = "chat", "batch"  # mixed-slo's tenants
 FIRST_TOKEN_ID = 100  # below this, vocabularies keep their special tokens
 
 
@@ -19,6 +21,9 @@ FIRST_TOKEN_ID = 100  # below this, vocabularies keep their special tokens
 class BenchRequest:
     prompt_token_ids: list[int]
     max_tokens: int
+    tenant: str | None = None  # sent as the OpenAI `user` field (None: the default tenant)
+    slo_ttft_ms: float | None = None  # its own latency targets (None: the run's --slo-*-ms, if any)
+    slo_tpot_ms: float | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -43,6 +48,15 @@ class WorkloadSpec:
     # shared-prefix: a common system prompt of prefix_len tokens, then input_len random tokens
     prefix_len: int = 256
     num_prefixes: int = 1  # shared-prefix: distinct system prompts, taken in turn (tenants; what a prefix router sorts)
+    # noisy-neighbour: random-sized requests (input_len, output_len) from two tenants, the noisy one sending
+    # noisy_ratio times as many as the quiet one (each request is noisy with probability ratio / (ratio + 1),
+    # so in an open loop both tenants are Poisson streams, the noisy at ratio x the quiet's rate)
+    noisy_ratio: float = 8.0
+    # mixed-slo: interactive chat (short_input/short_output, tight targets) beside batch jobs (long_input /
+    # long_output, loose TTFT target), a long_fraction of the requests
+    chat_ttft_ms: float = 1000.0
+    chat_tpot_ms: float = 200.0
+    batch_ttft_ms: float = 30000.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -64,6 +78,11 @@ class WorkloadSpec:
             raise ValueError(f"num_prefixes must be >= 1, got {self.num_prefixes}")
         if self.prefix_len < 0:
             raise ValueError(f"prefix_len must be >= 0, got {self.prefix_len}")
+        if not self.noisy_ratio > 0:
+            raise ValueError(f"noisy_ratio must be > 0, got {self.noisy_ratio}")
+        for name in ("chat_ttft_ms", "chat_tpot_ms", "batch_ttft_ms"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
 def _token_range(vocab_size: int) -> tuple[int, int]:
@@ -94,7 +113,15 @@ def generate(spec: WorkloadSpec, vocab_size: int, max_model_len: int | None = No
     out = []
     for i in range(spec.num_prompts):
         prefix = prefixes[i % len(prefixes)]
-        if spec.name == "longtail":
+        extra: dict = {}
+        if spec.name == "mixed-slo":
+            long = rng.random() < spec.long_fraction
+            p_lo, p_hi = spec.long_input if long else spec.short_input
+            o_lo, o_hi = spec.long_output if long else spec.short_output
+            n_in, n_out = rng.randint(p_lo, p_hi), rng.randint(o_lo, o_hi)
+            extra = (dict(tenant=BATCH, slo_ttft_ms=spec.batch_ttft_ms) if long else
+                     dict(tenant=CHAT, slo_ttft_ms=spec.chat_ttft_ms, slo_tpot_ms=spec.chat_tpot_ms))
+        elif spec.name == "longtail":
             long = rng.random() < spec.long_fraction
             p_lo, p_hi = spec.long_input if long else spec.short_input
             o_lo, o_hi = spec.long_output if long else spec.short_output
@@ -102,11 +129,13 @@ def generate(spec: WorkloadSpec, vocab_size: int, max_model_len: int | None = No
         else:
             n_in = _around(rng, spec.input_len, spec.range_ratio)
             n_out = _around(rng, spec.output_len, spec.range_ratio)
+            if spec.name == "noisy-neighbour":
+                extra = dict(tenant=NOISY if rng.random() < spec.noisy_ratio / (spec.noisy_ratio + 1) else QUIET)
         prompt = prefix + _tokens(rng, n_in, vocab_size)
         if max_model_len is not None:
             n_out = max(1, min(n_out, max_model_len - 1))
             prompt = prompt[: max_model_len - n_out]
-        out.append(BenchRequest(prompt, n_out))
+        out.append(BenchRequest(prompt, n_out, **extra))
     return out
 
 

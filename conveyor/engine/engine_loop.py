@@ -9,8 +9,8 @@ loop, wherever it runs:
   vLLM runs its engine core: the HTTP side's Python (JSON, SSE, tokenization) no longer shares a
   GIL with the engine's.
 
-Commands: `AddRequest`, `AbortRequest`, `EndInput`, `SnapshotKV`, `Stop`. After each step (and after commands
-that change the engine while it is idle) the loop emits one `LoopOutput`: the step's deltas and
+Commands: `AddRequest`, `AbortRequest`, `EndInput`, `SnapshotKV`, `SetScheduler`, `Stop`. After each
+step (and after commands that change the engine while it is idle) the loop emits one `LoopOutput`: the step's deltas and
 stats, a snapshot of the engine's counters, and any failed adds. If a step raises, the loop emits
 a last output carrying the error and ends: the engine is dead, and the client says so.
 """
@@ -34,6 +34,7 @@ from conveyor.engine.llm_engine import EngineInfo, EngineSnapshot, KVMap, LLMEng
 from conveyor.outputs import StepDelta
 from conveyor.pooling import PoolingParams
 from conveyor.sampling_params import SamplingParams
+from conveyor.scheduler.policies import policy_options
 
 log = logging.getLogger("conveyor.engine")
 
@@ -50,6 +51,9 @@ class AddRequest:
     arrival_time: float | None = None  # time.monotonic(): the same clock in every process on Linux
     cache_salt: str | None = None
     pooling: PoolingParams | None = None  # an embedding request (conveyor/pooling.py)
+    tenant: str | None = None  # None: the default tenant
+    slo_ttft_s: float | None = None  # None: the engine's default target, if any
+    slo_tpot_s: float | None = None
 
 
 @dataclass
@@ -70,11 +74,29 @@ class SnapshotKV:
 
 
 @dataclass
+class SetScheduler:
+    """Switch the batching strategy between steps (`LLMEngine.set_scheduler`); the outcome comes back in
+    the next output's `switched`, tagged with `token`."""
+
+    name: str
+    options: dict = field(default_factory=dict)
+    token: int = 0
+
+
+@dataclass(frozen=True)
+class SchedulerSwitch:
+    token: int
+    name: str
+    options: dict  # the new strategy's options, with their values
+    error: str | None = None  # refused: nothing changed
+
+
+@dataclass
 class Stop:
     """Abort what is left (each sequence gets a final "abort" delta) and end the loop."""
 
 
-Command = AddRequest | AbortRequest | EndInput | SnapshotKV | Stop
+Command = AddRequest | AbortRequest | EndInput | SnapshotKV | SetScheduler | Stop
 
 
 @dataclass
@@ -88,6 +110,7 @@ class LoopOutput:
     error: str | None = None  # the engine died with this; nothing more will come
     final: bool = False  # the loop has ended
     kv_map: KVMap | None = None  # when a `SnapshotKV` asked for one
+    switched: list[SchedulerSwitch] = field(default_factory=list)  # `SetScheduler` commands handled
 
 
 # --- the loop -------------------------------------------------------------------------------------
@@ -109,7 +132,8 @@ class EngineLoop:
             out.added += cmd.params.n
             try:
                 e.add_request(cmd.prompt_token_ids, cmd.params, request_id=cmd.request_id, priority=cmd.priority,
-                              arrival_time=cmd.arrival_time, cache_salt=cmd.cache_salt, pooling=cmd.pooling)
+                              arrival_time=cmd.arrival_time, cache_salt=cmd.cache_salt, pooling=cmd.pooling,
+                              tenant=cmd.tenant, slo_ttft_s=cmd.slo_ttft_s, slo_tpot_s=cmd.slo_tpot_s)
             except Exception as exc:  # validated by the caller, so a bug or a race: keep the engine alive
                 out.failed.append((cmd.request_id, f"{type(exc).__name__}: {exc}"))
         elif isinstance(cmd, AbortRequest):
@@ -118,6 +142,12 @@ class EngineLoop:
             e.end_input()
         elif isinstance(cmd, SnapshotKV):
             out.kv_map = e.kv_map(cmd.max_cells)
+        elif isinstance(cmd, SetScheduler):
+            try:
+                cfg = e.set_scheduler(cmd.name, cmd.options)
+                out.switched.append(SchedulerSwitch(cmd.token, cmd.name, policy_options(cfg)))
+            except Exception as exc:  # a bad name or option: refused, the engine carries on unchanged
+                out.switched.append(SchedulerSwitch(cmd.token, cmd.name, {}, f"{type(exc).__name__}: {exc}"))
         elif isinstance(cmd, Stop):
             out.deltas.extend(e.abort_all())
             return False

@@ -38,7 +38,7 @@ from conveyor.request import Request, sequence_ids
 from conveyor.runner.model_runner import ModelRunner
 from conveyor.sampling_params import SamplingParams
 from conveyor.scheduler.core import Scheduler, Step
-from conveyor.scheduler.policies import make_policy
+from conveyor.scheduler.policies import POLICIES, coerce_options, make_policy
 
 log = logging.getLogger("conveyor.engine")
 
@@ -96,6 +96,8 @@ class EngineSnapshot:
     prefix_queries: int
     prefix_hits: int
     phase_seconds: tuple[tuple[str, float], ...]
+    scheduler: str = ""  # the batching strategy running now
+    scheduler_switches: int = 0  # strategy switches on this engine (`set_scheduler`)
     spec_drafts: int = 0  # speculative decoding: drafts verified, tokens guessed and kept, kept per position
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
@@ -193,6 +195,7 @@ class LLMEngine:
             log.info("speculative decoding (%s, up to %d tokens): forward cost per row count %s", self.spec.method,
                      self.spec.num_speculative_tokens, {n: f"{1e3 * t:.1f}ms" for n, t in costs.items()})
         self._ids = itertools.count()
+        self.scheduler_switches = 0
         self.reset(config)
         r = self.runner
         self.info = EngineInfo(
@@ -249,9 +252,13 @@ class LLMEngine:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     priority: int = 0, arrival_time: float | None = None,
-                    cache_salt: str | None = None, pooling: PoolingParams | None = None) -> list[Request]:
+                    cache_salt: str | None = None, pooling: PoolingParams | None = None, tenant: str | None = None,
+                    slo_ttft_s: float | None = None, slo_tpot_s: float | None = None) -> list[Request]:
         """Queue a request (n > 1 fans out into n sequences sharing the prompt). Validates first.
-        With `pooling` it is an embedding request: prefill only, finished with its vector."""
+
+        With `pooling` it is an embedding request: prefill only, finished with its vector. `tenant`: who it
+        is served for (None: the default tenant); `slo_ttft_s` / `slo_tpot_s`: its latency targets (None:
+        the config's `slo_ttft_ms` / `slo_tpot_ms`, if any)."""
         self.validate_prompt(prompt_token_ids, params)
         vocab = self.model_config.vocab_size
         if params.logit_bias and any(t >= vocab for t in params.logit_bias):
@@ -260,6 +267,9 @@ class LLMEngine:
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if pooling is not None and (params.n != 1 or params.structured_outputs is not None):
             raise ValueError("an embedding request samples nothing: n must be 1 and no output grammar")
+        if tenant is not None and not isinstance(tenant, str):
+            raise ValueError(f"tenant must be a string, got {tenant!r}")
+        slo_ttft_s, slo_tpot_s = self._slo_targets(slo_ttft_s, slo_tpot_s)
         request_id = request_id or f"req-{next(self._ids)}"
         ids = sequence_ids(request_id, params.n)
         if any(rid in self.scheduler.requests for rid in ids):
@@ -273,11 +283,24 @@ class LLMEngine:
             req = Request(rid, list(prompt_token_ids), params.for_sample(i) if params.n > 1 else params,
                           eos_token_ids=self.eos_token_ids, parent_id=request_id if params.n > 1 else None,
                           index=i, priority=priority, arrival_time=arrival, cache_salt=cache_salt,
-                          fork_from=reqs[0] if reqs else None, pooling=pooling)
+                          fork_from=reqs[0] if reqs else None, pooling=pooling, tenant=tenant,
+                          slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
             req.matcher = matchers[i]
             self.scheduler.add(req)
             reqs.append(req)
         return reqs
+
+    def _slo_targets(self, ttft: float | None, tpot: float | None) -> tuple[float | None, float | None]:
+        """A request's latency targets in seconds: its own, else the config's defaults (ms)."""
+        out = []
+        for value, default_ms, name in ((ttft, self.config.slo_ttft_ms, "slo_ttft"),
+                                        (tpot, self.config.slo_tpot_ms, "slo_tpot")):
+            if value is None:
+                value = default_ms / 1000.0 if default_ms is not None else None
+            elif isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+            out.append(value)
+        return out[0], out[1]
 
     def abort_request(self, request_id: str) -> list[StepDelta]:
         """Abort a request (all n of its sequences); frees their KV blocks at once. Returns a final
@@ -294,6 +317,22 @@ class LLMEngine:
         """Abort every request (shutdown, or a lab run that ends): their final "abort" deltas."""
         return [d for gid in {r.group_id for r in self.scheduler.requests.values()} for d in self.abort_request(gid)]
 
+    def set_scheduler(self, name: str, options: dict | None = None) -> EngineConfig:
+        """Switch the batching strategy now, between steps, keeping every request where it is (waiting,
+        running, their KV blocks): only the policy deciding the next steps changes. `options`: the new
+        strategy's own knobs (the rest keep their values). Raises ValueError, changing nothing, if the
+        name or an option is bad. Returns the new config."""
+        cfg = dataclasses.replace(self.config, scheduler=name, **coerce_options(name, options or {}))
+        policy = make_policy(cfg)  # may refuse an option's value (before anything changed)
+        policy.adopt(self.scheduler)
+        self.scheduler.policy = policy
+        self.scheduler.config = cfg
+        self.config = cfg
+        self.scheduler_switches += 1
+        log.info("scheduler switched to %s (%s)", name,
+                 POLICIES[name].describe(dataclasses.asdict(cfg)) or "no options")
+        return cfg
+
     def end_input(self) -> None:
         """No more requests are coming (offline): a static batcher without a flush timer may run its
         last, partial batch. Cleared by the next `add_request`."""
@@ -302,7 +341,7 @@ class LLMEngine:
     @property
     def waits_for_end_of_input(self) -> bool:
         """True for a policy that only flushes a partial batch once told `end_input()` (static, no timer)."""
-        return getattr(self.scheduler.policy, "flush_after_s", 0) is None
+        return POLICIES[self.config.scheduler].waits_for_end_of_input(self.config)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -503,7 +542,8 @@ class LLMEngine:
             kv_blocks_total=self.kv.pool.num_blocks, prompt_tokens=self.total_prompt_tokens,
             generation_tokens=self.total_generation_tokens, preemptions=self.scheduler.num_preemptions,
             prefix_queries=self.kv.prefix_queries, prefix_hits=self.kv.prefix_hits,
-            phase_seconds=tuple(self.phase_seconds.items()), spec_drafts=self.spec_stats.num_drafts,
+            phase_seconds=tuple(self.phase_seconds.items()), scheduler=self.config.scheduler,
+            scheduler_switches=self.scheduler_switches, spec_drafts=self.spec_stats.num_drafts,
             spec_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_accepted_tokens=self.spec_stats.num_accepted_tokens,
             spec_accepted_per_pos=tuple(self.spec_stats.accepted_per_pos))

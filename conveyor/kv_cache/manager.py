@@ -50,6 +50,15 @@ class KVCacheManager:
         return self.pool.num_blocks
 
     @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation may take now (free, or cached and evictable): the one number a policy needs."""
+        return self.pool.num_free
+
+    def num_blocks_of(self, req: Request) -> int:
+        """Blocks `req` holds now."""
+        return len(self.block_tables.get(req.request_id, ()))
+
+    @property
     def usage(self) -> float:
         return self.pool.num_used / self.pool.num_blocks
 

@@ -122,6 +122,7 @@ class Scheduler:
         self._add_guesses(step)
         for req in self.waiting:
             req.waited_steps += 1
+            req.total_waited_steps += 1
         self.step_count += 1
         return step
 
@@ -232,10 +233,10 @@ class Scheduler:
 
         def future_blocks(r: Request) -> int:
             final = min(r.num_prompt_tokens + r.max_tokens, self.max_model_len)
-            return -(-final // bs) - len(self.kv.block_tables.get(r.request_id, ()))
+            return -(-final // bs) - self.kv.num_blocks_of(r)
 
         need = future_blocks(req) - num_cached // bs + sum(max(future_blocks(r), 0) for r in self.running)
-        return need <= self.kv.pool.num_free
+        return need <= self.kv.num_free_blocks
 
     def update(self, step: Step, token_ids: list[int] | list[list[int]]) -> list[tuple[Request, list[int]]]:
         """Advance every scheduled request; return (request, new tokens) for those that sampled.

@@ -1,4 +1,4 @@
-"""The four batching strategies, each a small policy over the shared `Scheduler` mechanism.
+"""The batching strategies, each a small policy over the shared `Scheduler` mechanism.
 
 | policy     | who may join                          | prompt in first step | decodes during a prefill |
 |------------|---------------------------------------|----------------------|--------------------------|
@@ -6,6 +6,13 @@
 | dynamic    | a batch, at N waiting or a timeout    | whole                | the batch runs together  |
 | continuous | anyone, at every step                 | whole                | wait (prefill-first)     |
 | iteration  | anyone, by priority with aging        | chunked, one budget  | go first, never stall    |
+| priority   | as iteration; higher priority preempts lower when seats or KV run out (aging bounds it)  |
+| fair       | as iteration; next from the tenant with the least weighted service (Virtual Token Counter); |
+|            | a tenant below its share of seats takes one back from the tenant furthest above its own    |
+| slo        | as iteration; by TTFT deadline, requests already past theirs last                         |
+
+Adding a strategy touches this module only (its policy and its `PolicySpec`: options, colour, claim,
+display name), plus its tests and docs; the engine, server and lab read everything from `POLICIES`.
 """
 
 from __future__ import annotations
@@ -26,6 +33,10 @@ class Policy:
 
     def schedule(self, s: Scheduler, step: Step) -> None:
         raise NotImplementedError
+
+    def adopt(self, s: Scheduler) -> None:
+        """Take over a live scheduler's requests (a strategy switch on a running server): by default
+        there is nothing to take over, the queues and the KV cache belong to the mechanism."""
 
 
 class ContinuousPolicy(Policy):
@@ -53,6 +64,10 @@ class StaticPolicy(Policy):
         self.batch_size = batch_size
         self.flush_after_s = flush_after_s
         self.batch: set[str] = set()  # group ids of the running batch
+    def adopt(self, s: Scheduler) -> None:
+        """What runs now is the batch: it runs to completion before a new one forms."""
+        self.batch = {r.group_id for r in s.running}
+
     def ready(self, s: Scheduler) -> bool:
         if len(s.waiting) >= self.batch_size or (s.input_ended and s.waiting):
             return True
@@ -116,8 +131,9 @@ class IterationPolicy(Policy):
         decodes = [r for r in s.running if not r.is_prefill]
         prefills = [r for r in s.running if r.is_prefill]
         prefills.sort(key=lambda r: (r.priority, r.arrival_time))
+        before = len(step.preempted)  # a subclass may have preempted for a waiting request already
         s.schedule_running(step, decodes + prefills, chunk=True, victims=self.victim)
-        if step.preempted:
+        if len(step.preempted) > before:
             return  # the pool is full: admitting more would only thrash
         long_running = sum(1 for r in s.running if r.is_prefill and r.num_remaining_work > self.long_threshold)
         inflight = self.inflight_prefix_hashes(s, s.running)
@@ -132,7 +148,7 @@ class IterationPolicy(Policy):
             if s.admit(step, req, chunk=True):
                 long_running += is_long and req.num_remaining_work > 0
                 inflight |= self.inflight_prefix_hashes(s, [req])
-            elif s.kv.pool.num_free == 0:
+            elif s.kv.num_free_blocks == 0:
                 break
 
     @staticmethod
@@ -170,6 +186,219 @@ class IterationPolicy(Policy):
         return sorted(waiting, key=key)
 
 
+class PriorityPolicy(IterationPolicy):
+    """vLLM's `priority` scheduling, preemptive: iteration-level batching, and when the running set
+    (`max_num_seqs`) or the KV cache is full, a waiting request of strictly higher priority (lower
+    value) preempts the lowest-priority running one (recompute: its KV is dropped, it waits again).
+
+    Aging here counts a request's whole life of waiting (`total_waited_steps`), and a running request
+    keeps the level it earned: a low-priority request that waited `gap * priority_aging_steps` steps in
+    all ranks with the high-priority stream and can no longer be preempted by it, so a constant stream
+    of high-priority work delays the rest by a bounded number of steps, never forever. A waiting
+    request preempts with its own priority, not its aged one: requests of equal priority never
+    preempt each other, so aging cannot make two of them take turns evicting each other.
+    """
+
+    name = "priority"
+
+    def effective_priority(self, req: Request) -> int:
+        return req.priority - req.total_waited_steps // self.aging_steps
+
+    def victim(self, cands: list[Request]) -> Request:
+        return max(cands, key=lambda r: (self.effective_priority(r), r.arrival_time))
+
+    def schedule(self, s: Scheduler, step: Step) -> None:
+        self.preempt_for_waiting(s, step)
+        super().schedule(s, step)
+
+    def preempt_for_waiting(self, s: Scheduler, step: Step) -> None:
+        """Make room, by preemption, for the waiting requests that outrank running ones (best first),
+        as far as one step can take them."""
+        if not s.waiting or not s.running:
+            return
+        bs = s.kv.block_size
+        seqs = len(s.running)
+        # blocks the running decodes will open this step (one each whose last block is full)
+        blocks = sum(1 for r in s.running if r.num_remaining_work == 1 and s.kv.num_blocks_of(r) * bs < r.num_tokens)
+        budget = step.token_budget
+        for w in self.order_waiting(s):
+            if budget <= 0:
+                return
+            level = w.priority  # waiting earns admission order, not the power to preempt (no churn)
+            n = min(w.num_tokens - w.num_computed_tokens, budget)
+            need = -(-n // bs)
+            while seqs + 1 > s.config.max_num_seqs or blocks + need > s.kv.num_free_blocks:
+                cands = [r for r in s.running if self.effective_priority(r) > level]
+                if not cands:
+                    return  # nobody it outranks: it waits like everyone else
+                v = self.victim(cands)
+                blocks -= v.num_remaining_work == 1 and s.kv.num_blocks_of(v) * bs < v.num_tokens
+                s.preempt(v, step)
+                seqs -= 1
+            seqs += 1
+            blocks += need
+            budget -= n
+
+
+def parse_tenant_weights(spec: str | None) -> dict[str, float]:
+    """`"a=2,b=1"` -> {"a": 2.0, "b": 1.0}; a file name (`@path`, lines of `name=weight`) works too."""
+    if not spec:
+        return {}
+    if spec.startswith("@"):
+        with open(spec[1:]) as f:
+            spec = ",".join(line.strip() for line in f if line.strip() and not line.startswith("#"))
+    out: dict[str, float] = {}
+    for part in spec.split(","):
+        name, sep, value = part.strip().rpartition("=")
+        try:
+            w = float(value)
+        except ValueError:
+            w = -1.0
+        if not sep or not name or not w > 0 or w == float("inf"):
+            raise ValueError(f"tenant_weights must look like 'a=2,b=1' with positive weights, got {part!r}")
+        out[name] = w
+    return out
+
+
+class FairPolicy(IterationPolicy):
+    """Token-weighted fairness between tenants: the Virtual Token Counter (Sheng et al., OSDI 2024).
+
+    - every tenant has a counter of the service it received: prompt tokens computed, plus
+      `fair_output_token_weight` per generated token, divided by the tenant's weight
+      (`tenant_weights`, default 1);
+    - the step's mechanics are iteration's (decodes first, chunked prefill, one budget); the
+      admission order differs: the next request comes from the backlogged tenant with the smallest
+      counter (within a tenant: priority, then arrival);
+    - seats: when the running set is full and a tenant holding less than its weighted share of
+      `max_num_seqs` waits, the tenant furthest above its share gives one seat back (its newest
+      request is preempted by recompute), so a quiet tenant's request starts at once beside a noisy
+      one rather than after one of the noisy tenant's requests finishes;
+    - counter lift: a tenant that becomes backlogged (arrives, or returns after an idle spell) starts
+      at no less than the smallest counter of the tenants already waiting (or, with nobody waiting, of
+      the last one to leave the queue), so idle time earns no credit to spend later in a burst.
+    """
+
+    name = "fair"
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.weights = parse_tenant_weights(config.tenant_weights)
+        self.output_weight = config.fair_output_token_weight
+        if not self.output_weight >= 0:
+            raise ValueError(f"fair_output_token_weight must be >= 0, got {self.output_weight}")
+        self.counters: dict[str, float] = {}
+        self.backlogged: set[str] = set()
+        self.last_left = 0.0  # counter of the last tenant whose queue emptied
+
+    def weight(self, tenant: str) -> float:
+        return self.weights.get(tenant, 1.0)
+
+    def lift(self, s: Scheduler) -> None:
+        now = {r.tenant_id for r in s.waiting}
+        stayed = now & self.backlogged
+        for t in sorted(self.backlogged - now):
+            self.last_left = self.counters.get(t, 0.0)
+        base = min((self.counters.get(t, 0.0) for t in stayed), default=self.last_left)
+        for t in sorted(now - self.backlogged):
+            self.counters[t] = max(self.counters.get(t, 0.0), base)
+        self.backlogged = now
+
+    def order_waiting(self, s: Scheduler) -> list[Request]:
+        self.lift(s)
+        queues: dict[str, list[Request]] = {}
+        for r in sorted(s.waiting, key=lambda r: (self.effective_priority(r), 0 if r.num_preemptions else 1,
+                                                  r.arrival_time)):
+            queues.setdefault(r.tenant_id, []).append(r)
+        virtual = {t: self.counters.get(t, 0.0) for t in queues}
+        seats: dict[str, int] = {}
+        for r in s.running:
+            seats[r.tenant_id] = seats.get(r.tenant_id, 0) + 1
+        share = self.shares(s)
+        out = []
+        while queues:
+            # a tenant that would go past its share of seats comes after those that would not (so a seat does
+            # not go to one tenant only to be taken back by preemption a step later); then the counters; ties
+            # (a tenant just lifted to another's counter) go to the one holding fewer seats
+            t = min(queues, key=lambda t: (seats.get(t, 0) + 1 > share[t], virtual[t], seats.get(t, 0), t))
+            r = queues[t].pop(0)
+            out.append(r)
+            seats[t] = seats.get(t, 0) + 1
+            virtual[t] += (r.num_tokens - r.num_computed_tokens + self.output_weight) / self.weight(t)
+            if not queues[t]:
+                del queues[t]
+        return out
+
+    def shares(self, s: Scheduler) -> dict[str, float]:
+        """Each active tenant's fair share of the running set's seats, by weight."""
+        active = {r.tenant_id for r in s.running} | {r.tenant_id for r in s.waiting}
+        total = sum(self.weight(t) for t in active) or 1.0
+        return {t: s.config.max_num_seqs * self.weight(t) / total for t in active}
+
+    def preempt_for_share(self, s: Scheduler, step: Step) -> None:
+        """Seats full and a tenant below its share waiting: take a seat back from the tenant furthest above
+        its share (the newest of its requests, by recompute), so that a quiet tenant's request starts at
+        once beside a noisy one instead of waiting for one of the noisy tenant's requests to finish. A
+        tenant at or below its share is never preempted for another, so this cannot churn."""
+        if not s.waiting or len(s.running) < s.config.max_num_seqs:
+            return
+        share = self.shares(s)
+        seats: dict[str, int] = {}
+        for r in s.running:
+            seats[r.tenant_id] = seats.get(r.tenant_id, 0) + 1
+        for w in self.order_waiting(s):
+            t = w.tenant_id
+            if seats.get(t, 0) + 1 > share[t]:
+                continue
+            over = [u for u in seats if seats[u] - 1 >= share[u] and u != t]
+            if not over or len(s.running) < s.config.max_num_seqs:
+                break
+            u = max(over, key=lambda u: (seats[u] - share[u], self.counters.get(u, 0.0), u))
+            victim = max((r for r in s.running if r.tenant_id == u), key=lambda r: (r.arrival_time, r.request_id))
+            s.preempt(victim, step)
+            seats[u] -= 1
+            seats[t] = seats.get(t, 0) + 1
+
+    def schedule(self, s: Scheduler, step: Step) -> None:
+        self.preempt_for_share(s, step)
+        super().schedule(s, step)
+        for it in step.items:  # charge what this step serves
+            r = it.request
+            fed = it.num_tokens - it.num_draft
+            decode = fed == 1 and r.num_computed_tokens >= r.num_prompt_tokens
+            cost = (0 if decode else fed) + (self.output_weight if it.samples else 0)
+            t = r.tenant_id
+            self.counters[t] = self.counters.get(t, 0.0) + cost / self.weight(t)
+
+
+class SloPolicy(IterationPolicy):
+    """Deadline-aware: waiting requests go by TTFT deadline (arrival + target, earliest first; no target:
+    after those with one), running decodes by TPOT target (tightest first, when the budget is short).
+
+    A request that can no longer make its deadline (past due, still waiting) is deprioritised: it goes
+    behind every request that still can, so one lost cause does not make the ones behind it late too
+    (goodput). It is not refused, and the demotion lasts at most `4 x priority_aging_steps` steps of
+    waiting, so late requests are still served under sustained overload. Priorities (with aging) rank
+    above deadlines, as in iteration.
+    """
+
+    name = "slo"
+
+    def schedule(self, s: Scheduler, step: Step) -> None:
+        s.running.sort(key=lambda r: (r.slo_tpot_s is None, r.slo_tpot_s or 0.0, r.arrival_time))
+        super().schedule(s, step)
+
+    def order_waiting(self, s: Scheduler) -> list[Request]:
+        now = s.clock()
+        patience = 4 * self.aging_steps
+
+        def key(r: Request):
+            deadline = r.ttft_deadline
+            late = deadline is not None and now > deadline and r.total_waited_steps < patience
+            return (self.effective_priority(r), late, deadline is None, deadline or 0.0, r.arrival_time)
+
+        return sorted(s.waiting, key=key)
+
+
 # --- the registry: one table for the engine, the CLI and the lab ----------------------------------------
 @dataclass(frozen=True)
 class Option:
@@ -186,11 +415,45 @@ class Option:
 
 
 @dataclass(frozen=True)
+class Claim:
+    """A claim the lab tests about a strategy (`conveyor bench compare`'s verdicts): its `metric`
+    ("throughput", or "latency": checked on p99 TTFT and median E2E) is below that of strategy `below`,
+    or it is the `extreme` ("highest" | "lowest") of every strategy run. `text` may hold `{metric}`."""
+
+    text: str
+    metric: str
+    below: str | None = None
+    extreme: str | None = None
+
+
+@dataclass(frozen=True)
 class PolicySpec:
+    """Everything the engine, the CLI and the lab (report, plots, dashboard, tuner) know about a policy."""
+
     name: str
     summary: str
     options: tuple[Option, ...]
     build: Callable[[EngineConfig], Policy]
+    display: str = ""  # the name in reports and plots (default: `name`)
+    color: str = "tab:purple"  # matplotlib colour in the lab's plots and the dashboard
+    claim: str = ""  # what it promises, in a few words (the report quotes it to test it)
+    tunable: bool = False  # `conveyor tune` tries it by default
+    in_compare: bool = False  # `conveyor bench compare` runs it by default
+    no_batching_base: bool = False  # with max_num_seqs 1 it is "no batching" (the lab's baseline)
+    waits_for_end_of_input: Callable[[EngineConfig], bool] = lambda c: False  # offline: flushes only at the end
+    claims: tuple[Claim, ...] = ()  # what the lab tests about it against the others
+
+    @property
+    def shown(self) -> str:
+        return self.display or self.name
+
+    def describe(self, config: dict) -> str:
+        """Its options' values in `config` (a dict of EngineConfig fields), for reports."""
+        parts = []
+        for o in self.options:
+            v = config.get(o.name)
+            parts.append(f"{o.name} {v:g}" if isinstance(v, float) else f"{o.name} {v}")
+        return ", ".join(parts)
 
 
 BATCH_SIZE = Option("batch_size", int, "static/dynamic: requests per batch")
@@ -208,16 +471,56 @@ def _flush_s(config: EngineConfig) -> float | None:
     return ms / 1000.0 if ms else None
 
 
+TENANT_WEIGHTS = Option("tenant_weights", str, "fair: tenant shares, 'a=2,b=1' or @file of name=weight lines "
+                        "(unnamed tenants: 1)")
+OUTPUT_WEIGHT = Option("fair_output_token_weight", float, "fair: service a generated token counts for, in prompt "
+                       "tokens (VTC's w_q / w_p)")
+
 POLICIES: dict[str, PolicySpec] = {spec.name: spec for spec in (
     PolicySpec("static", "run-to-completion batches of batch_size", (BATCH_SIZE, STATIC_FLUSH_MS),
-               lambda c: StaticPolicy(c.batch_size, _flush_s(c))),
+               lambda c: StaticPolicy(c.batch_size, _flush_s(c)), color="tab:red", in_compare=True,
+               claim="medium throughput, high waiting latency",
+               claims=(Claim("static has medium throughput, dynamic good (static < dynamic)", "throughput",
+                             below="dynamic"),
+                       Claim("static has the highest waiting latency ({metric})", "latency", extreme="highest")),
+               waits_for_end_of_input=lambda c: _flush_s(c) is None),
     PolicySpec("dynamic", "run-to-completion batches at batch_size or after batch_timeout_ms",
-               (BATCH_SIZE, BATCH_TIMEOUT_MS), lambda c: DynamicPolicy(c.batch_size, c.batch_timeout_ms / 1000)),
+               (BATCH_SIZE, BATCH_TIMEOUT_MS), lambda c: DynamicPolicy(c.batch_size, c.batch_timeout_ms / 1000),
+               color="tab:orange", claim="good throughput, medium latency", in_compare=True,
+               claims=(Claim("continuous has excellent throughput (dynamic < continuous)", "throughput",
+                             below="continuous"),
+                       Claim("dynamic has lower latency than static ({metric})", "latency", below="static"))),
     PolicySpec("continuous", "join and leave at every step, prompts prefilled whole first", (),
-               lambda c: ContinuousPolicy()),
+               lambda c: ContinuousPolicy(), color="tab:blue", claim="excellent throughput, low latency",
+               tunable=True, in_compare=True, no_batching_base=True,
+               claims=(Claim("continuous has lower latency than dynamic ({metric})", "latency", below="dynamic"),)),
     PolicySpec("iteration", "one token budget per step: decodes first, chunked prefill, priorities with aging",
-               (PARTIAL_PREFILLS, LONG_PREFILL, AGING_STEPS), IterationPolicy),
+               (PARTIAL_PREFILLS, LONG_PREFILL, AGING_STEPS), IterationPolicy, display="iteration-level",
+               color="tab:green", claim="best of both", tunable=True, in_compare=True,
+               claims=(Claim("iteration-level has the best throughput", "throughput", extreme="highest"),
+                       Claim("iteration-level has the lowest latency ({metric})", "latency", extreme="lowest"))),
+    PolicySpec("priority", "iteration, plus preemption: a waiting request of higher priority (lower value) "
+               "preempts the lowest-priority running one when seats or KV run out; aging bounds the wait",
+               (PARTIAL_PREFILLS, LONG_PREFILL, AGING_STEPS), PriorityPolicy, color="tab:brown",
+               claim="a high-priority request starts at once, the rest still finish"),
+    PolicySpec("fair", "iteration, admitting from the tenant with the least weighted service so far (Virtual "
+               "Token Counter)", (TENANT_WEIGHTS, OUTPUT_WEIGHT, PARTIAL_PREFILLS, LONG_PREFILL, AGING_STEPS),
+               FairPolicy, color="tab:cyan", claim="a quiet tenant is served as if alone; shares follow weights"),
+    PolicySpec("slo", "iteration, admitting by TTFT deadline; requests already past theirs go last",
+               (PARTIAL_PREFILLS, LONG_PREFILL, AGING_STEPS), SloPolicy, color="tab:pink",
+               claim="more requests meet their latency targets under overload", tunable=True),
 )}
+
+
+def no_batching_base() -> str:
+    """The strategy that, run with max_num_seqs 1, is the lab's "no batching" baseline."""
+    return next(name for name, spec in POLICIES.items() if spec.no_batching_base)
+
+
+def default_strategies(what: str) -> list[str]:
+    """The strategies `conveyor bench compare` (`what="compare"`) or `conveyor tune` (`"tune"`) runs by default."""
+    flag = {"compare": "in_compare", "tune": "tunable"}[what]
+    return [name for name, spec in POLICIES.items() if getattr(spec, flag)]
 
 
 def all_options() -> list[Option]:
@@ -232,6 +535,27 @@ def all_options() -> list[Option]:
 def policy_options(config: EngineConfig) -> dict[str, object]:
     """The options of `config`'s policy, with their values (what the lab's reports show)."""
     return {o.name: getattr(config, o.name) for o in POLICIES[config.scheduler].options}
+
+
+def coerce_options(name: str, options: dict) -> dict[str, object]:
+    """Options for policy `name` given as JSON values: checked against its `PolicySpec` (unknown names and
+    wrong types are a ValueError naming them) and converted to the option's type."""
+    spec = POLICIES.get(name)
+    if spec is None:
+        raise ValueError(f"scheduler must be one of {tuple(POLICIES)}, got {name!r}")
+    known = {o.name: o for o in spec.options}
+    out: dict[str, object] = {}
+    for key, value in options.items():
+        opt = known.get(key)
+        if opt is None:
+            raise ValueError(f"{name} takes no option {key!r} (its options: {', '.join(known) or 'none'})")
+        ok = (value is None or (opt.type is str and isinstance(value, str))
+              or (opt.type in (int, float) and isinstance(value, (int, float)) and not isinstance(value, bool)
+                  and (opt.type is float or float(value).is_integer())))
+        if not ok:
+            raise ValueError(f"{key} must be {opt.type.__name__}, got {value!r}")
+        out[key] = opt.type(value) if value is not None else None
+    return out
 
 
 def make_policy(config: EngineConfig) -> Policy:

@@ -32,19 +32,20 @@ from conveyor.engine.engine_loop import (
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.pooling import default_pooling
 from conveyor.server import protocol as P
+from conveyor.server.admin import install_admin_routes
 from conveyor.server.args import KEEP_ALIVE_S, ServerArgs, add_server_args
 from conveyor.server.async_engine import AsyncEngine
 from conveyor.server.dashboard import DashboardHub, dashboard_html, dashboard_setup
 from conveyor.server.launch import GracefulServer, bind_listen_socket, run_server
 from conveyor.server.metrics import CONTENT_TYPE, ServerMetrics
 from conveyor.server.serving import ApiError, OpenAIServing, bad_request
+from conveyor.server.tenancy import TenantRule
 from conveyor.server.tools import check_tool_args, load_chat_template
 
 __all__ = ["KEEP_ALIVE_S", "ServerArgs", "add_server_args", "GracefulServer", "bind_listen_socket", "run_server",
            "build_app", "make_client", "read_json"]
 
 log = logging.getLogger("conveyor.server")
-
 async def read_json(request: Request, limit: int) -> dict:
     """The body as a JSON object: 413 past `limit` bytes, 400 unless it parses to an object."""
     cl = request.headers.get("content-length", "")
@@ -94,11 +95,12 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
     info = client.info
     aengine = AsyncEngine(client, max_queued_requests=args.max_queued_requests, log_interval_s=args.log_interval,
                           max_queued_tokens=args.max_queued_tokens)
-    metrics = ServerMetrics(info.model_name, aengine.stats, info)
+    metrics = ServerMetrics(info.model_name, aengine.stats, info, max_tenants=args.metrics_max_tenants)
     aengine.metrics = metrics
     serving = OpenAIServing(aengine, [info.model_name], args.request_timeout)
     serving.chat_template, serving.tool_parser = chat_template, tool_parser
     serving.pooling = args.pooling or default_pooling(engine_config.model)
+    serving.tenant_rule = TenantRule.parse(args.tenant_key)
     hub = DashboardHub(client, dashboard_setup(engine_config, info))
     aengine.observers.append(hub.observe)
     metrics.listeners.append(hub)
@@ -124,7 +126,8 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
             return
         auth = request.headers.get("authorization", "")
         token = auth[7:] if auth[:7].lower() == "bearer " else ""
-        if not hmac.compare_digest(token.encode(), args.api_key.encode()):
+        # several keys, comma-separated (--tenant-key api-key tells tenants apart by key); compare with each
+        if not any([hmac.compare_digest(token.encode(), k.encode()) for k in args.api_key.split(",") if k]):
             raise ApiError(401, "Incorrect or missing API key; send 'Authorization: Bearer <key>'.",
                            code="invalid_api_key")
 
@@ -200,6 +203,8 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    install_admin_routes(app, aengine, check_key, lambda request: read_json(request, args.max_request_bytes))
 
     return app
 

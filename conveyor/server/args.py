@@ -36,6 +36,8 @@ class ServerArgs:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     pooling: str | None = None
+    tenant_key: str = "user"  # user | api-key | header:NAME (conveyor/server/tenancy.py)
+    metrics_max_tenants: int = 16  # tenants with their own /metrics series; the rest count as "other"
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> ServerArgs:
@@ -69,6 +71,18 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-interval", type=float, default=10.0, help="seconds between engine stats log lines")
     g.add_argument("--disable-log-requests", action="store_true", help="no per-request log line")
     g.add_argument("--uvicorn-log-level", default="info")
+    g.add_argument("--tenant-key", default="user",
+                   help="what names a request's tenant: user (the OpenAI 'user' field), api-key (the key it "
+                        "presented; list several with --api-key k1,k2) or header:NAME; requests without one "
+                        "share the default tenant (default: user)")
+    g.add_argument("--metrics-max-tenants", type=int, default=16,
+                   help="tenants that get series of their own in the per-tenant /metrics (the first ones seen); "
+                        "later tenants are counted under tenant=\"other\" (default: 16)")
+    g.add_argument("--slo-ttft-ms", type=float, default=None,
+                   help="time-to-first-token target of requests that bring none (the slo_ttft_ms request field); "
+                        "deadline-aware strategies and the per-tenant metrics read it (default: none)")
+    g.add_argument("--slo-tpot-ms", type=float, default=None,
+                   help="time-per-output-token target of requests that bring none (slo_tpot_ms) (default: none)")
     g.add_argument("--timeout-keep-alive", type=float, default=KEEP_ALIVE_S,
                    help="seconds an idle keep-alive connection stays open; keep it above your clients' idle "
                         f"expiry (httpx and openai: 5 s) (default: {KEEP_ALIVE_S:g})")

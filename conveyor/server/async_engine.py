@@ -28,6 +28,8 @@ from conveyor.engine.engine_loop import (
     EngineDeadError,
     InlineEngineClient,
     LoopOutput,
+    SchedulerSwitch,
+    SetScheduler,
     Stop,
 )
 from conveyor.outputs import StepDelta
@@ -56,6 +58,9 @@ class EngineInput:
     priority: int = 0
     cache_salt: str | None = None  # prefix-cache isolation: only requests with the same salt share blocks
     pooling: PoolingParams | None = None  # an embedding request: pooled, not sampled (conveyor/pooling.py)
+    tenant: str | None = None  # who it is served for (None: the default tenant)
+    slo_ttft_s: float | None = None  # latency targets (None: the engine's defaults)
+    slo_tpot_s: float | None = None
 
 
 @dataclass
@@ -85,6 +90,7 @@ class Submission:
         self.seqs: dict[str, _Seq] = {}
         self.remaining = sum(inp.params.n for inp in inputs)
         self.closed = False
+        self.tenant = inputs[0].tenant if inputs else None  # one API call, one tenant
         # prompt tokens of engine requests that have produced nothing yet (queued or in prefill), by group id
         self.unstarted = {inp.request_id: len(inp.prompt_token_ids) * inp.params.n for inp in inputs}
 
@@ -103,6 +109,8 @@ class Submission:
                 metrics.observe_itl(t - seq.last_t)
             seq.last_t = t
             seq.num_tokens += len(d.new_token_ids)
+            if metrics is not None:
+                metrics.observe_tenant_tokens(self.tenant, len(d.new_token_ids))
         if d.finished:
             seq.finish_reason = d.finish_reason
             self.remaining -= 1
@@ -111,6 +119,8 @@ class Submission:
                 queued = scheduled - self.arrival if scheduled is not None else None
                 metrics.observe_finish(d.finish_reason, None if seq.first_t is None else seq.first_t - self.arrival,
                                        t - self.arrival, queued)
+                metrics.observe_tenant_finish(self.tenant, len(self.inputs[0].prompt_token_ids) if d.index == 0 else 0,
+                                              None if seq.first_t is None else seq.first_t - self.arrival, queued)
         self.queue.put_nowait(d)
 
     def _fail(self, exc: BaseException) -> None:
@@ -192,6 +202,8 @@ class AsyncEngine:
         self._c = _Counters()
         self._stats = EngineStats(kv_blocks_total=client.info.num_kv_blocks)
         self.observers: list[Callable[[LoopOutput], None]] = []
+        self._switches: dict[int, asyncio.Future] = {}  # SetScheduler token -> its outcome
+        self._switch_token = 0
         client.on_output = self._on_output_threadsafe
 
     # --- lifecycle ----------------------------------------------------------------------------------
@@ -246,8 +258,24 @@ class AsyncEngine:
         self.queued_tokens += sum(sub.unstarted.values())
         for inp in inputs:
             self.client.send(AddRequest(inp.request_id, inp.prompt_token_ids, inp.params, inp.priority,
-                                        sub.arrival, inp.cache_salt, inp.pooling))
+                                        sub.arrival, inp.cache_salt, inp.pooling, inp.tenant, inp.slo_ttft_s,
+                                        inp.slo_tpot_s))
         return sub
+
+    async def set_scheduler(self, name: str, options: dict, timeout: float = 60.0) -> SchedulerSwitch:
+        """Switch the engine's batching strategy between two steps; returns the outcome (its `error` set if
+        the engine refused). Requests in flight keep going under the new strategy."""
+        if not self.alive:
+            raise EngineDeadError(f"the engine is not running{f': {self.error}' if self.error else ''}")
+        self._switch_token += 1
+        token = self._switch_token
+        fut = self._loop.create_future()
+        self._switches[token] = fut
+        self.client.send(SetScheduler(name, dict(options), token))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._switches.pop(token, None)
 
     async def abort_all_after(self, grace_s: float) -> None:
         """Shutdown: give open calls `grace_s` seconds, then abort the rest *cleanly*: each
@@ -300,6 +328,10 @@ class AsyncEngine:
             if sub is not None:
                 self._abort(rid)
                 sub._fail(RuntimeError(message))
+        for sw in out.switched:
+            fut = self._switches.get(sw.token)
+            if fut is not None and not fut.done():
+                fut.set_result(sw)
         now = out.time
         for d in out.deltas:
             sub = self._group_to_sub.get(d.group_id)
@@ -310,6 +342,9 @@ class AsyncEngine:
             self._stats = EngineStats(**{**self._stats.__dict__, "alive": False})
             for sub in list(self._subs.values()):
                 sub._fail(EngineDeadError(f"the engine died: {out.error}"))
+            for fut in self._switches.values():
+                if not fut.done():
+                    fut.set_exception(EngineDeadError(f"the engine died: {out.error}"))
         elif out.final:
             self._stats = EngineStats(**{**self._stats.__dict__, "alive": False})
         for observe in self.observers:  # e.g. the dashboard: after the requests got their tokens, and never fatal
@@ -326,7 +361,8 @@ class AsyncEngine:
             kv_blocks_used=s.kv_blocks_used, kv_blocks_total=s.kv_blocks_total, prompt_tokens=s.prompt_tokens,
             generation_tokens=s.generation_tokens, preemptions=s.preemptions, prefix_queries=s.prefix_queries,
             prefix_hits=s.prefix_hits, steps=self._c.steps, step_seqs=self._c.step_seqs,
-            phase_seconds=s.phase_seconds, spec_drafts=s.spec_drafts, spec_draft_tokens=s.spec_draft_tokens,
+            phase_seconds=s.phase_seconds, scheduler=s.scheduler, scheduler_switches=s.scheduler_switches,
+            spec_drafts=s.spec_drafts, spec_draft_tokens=s.spec_draft_tokens,
             spec_accepted_tokens=s.spec_accepted_tokens, spec_accepted_per_pos=s.spec_accepted_per_pos)
 
     def _maybe_log(self) -> None:

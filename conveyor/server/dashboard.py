@@ -40,6 +40,9 @@ def dashboard_html() -> str:
     return resources.files("conveyor.server").joinpath("static/dashboard.html").read_text()
 
 
+_BASE_KNOBS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching")
+
+
 def dashboard_setup(config, info) -> dict:
     """What the page shows as the setup: the strategy, its knobs, the pool (sent once per viewer)."""
     from conveyor.scheduler.policies import POLICIES, policy_options
@@ -101,6 +104,9 @@ class DashboardHub:
         self._task: asyncio.Task | None = None
         self._last_kv_ask = 0.0
         self.sent_events = 0
+        self._switches: deque[tuple[float, str]] = deque(maxlen=64)  # (seconds since t0, strategy) of switches
+        self._mark: str | None = None  # a switch not yet drawn on a step (the engine was idle)
+        self._setup_changed = False
 
     # --- inputs (all on the event loop) --------------------------------------------------------------
     def _second(self, now: float) -> _Second:
@@ -136,20 +142,36 @@ class DashboardHub:
         if st is not None and st.num_seqs:
             sec.steps += 1
         self._snapshot = s  # the latest, kept even while nobody watches: a new viewer starts from it
+        for sw in out.switched:  # a strategy switch: the setup line changes, the timelines get a mark
+            if sw.error is None:
+                self._on_switch(sw.name, sw.options, out.time)
         if not self.viewers:
             return
         if st is not None and st.num_seqs:
             prefill = st.request_prefill or [False] * len(st.request_ids)
             tokens = st.request_tokens or [1] * len(st.request_ids)
-            self._steps.append([
+            record = [
                 st.index, round(1000 * (st.start - self.t0), 1), round(1000 * st.duration, 2), st.num_tokens,
                 st.num_prefill_tokens, st.num_running, st.num_waiting, st.kv_used_blocks,
                 [[self._rid(r), n, int(p)] for r, n, p in zip(st.request_ids, tokens, prefill)],
-                [self._rid(r) for r in st.preempted_ids]])
+                [self._rid(r) for r in st.preempted_ids]]
+            if self._mark is not None:  # the first step under a new strategy carries its name
+                record.append(self._mark)
+                self._mark = None
+            self._steps.append(record)
         if out.kv_map is not None:
             m = out.kv_map
             self._kv = {"num_blocks": m.num_blocks, "blocks_per_cell": m.blocks_per_cell, "cells": m.cells.hex(),
                         "totals": dict(zip(("free", "cached", "used", "shared"), m.totals))}
+
+    def _on_switch(self, name: str, options: dict, t: float) -> None:
+        from conveyor.scheduler.policies import POLICIES
+
+        self.setup = {**self.setup, "strategy": name, "summary": POLICIES[name].summary,
+                      "knobs": {k: v for k, v in self.setup.get("knobs", {}).items() if k in _BASE_KNOBS} | options}
+        self._switches.append((t - self.t0, name))
+        self._mark = name
+        self._setup_changed = True
 
     def observe_finish(self, reason: str, ttft: float | None, e2e: float | None, queue: float | None) -> None:
         sec = self._second(time.monotonic())
@@ -187,6 +209,7 @@ class DashboardHub:
             "itl_p50": [_pct(s.itl, 0.5) for s in secs], "itl_p99": [_pct(s.itl, 0.99) for s in secs],
             "ttft_p50_min": _pct(ttft, 0.5), "ttft_p99_min": _pct(ttft, 0.99),
             "itl_p50_min": _pct(itl, 0.5), "itl_p99_min": _pct(itl, 0.99),
+            "switches": [[round(t, 2), name] for t, name in self._switches if now - WINDOW_S <= t],
         }
 
     def _event(self, with_minute: bool) -> dict:
@@ -200,6 +223,8 @@ class DashboardHub:
                               "prefix_hits": s.prefix_hits, "prefix_queries": s.prefix_queries}
         if self._kv is not None:
             ev["kv"], self._kv = self._kv, None
+        if self._setup_changed:
+            ev["setup"], self._setup_changed = self.setup, False
         if with_minute:
             ev["minute"] = self.minute()
         return ev
@@ -229,7 +254,7 @@ class DashboardHub:
                 except Exception:  # the engine is gone: the page shows what it last got
                     pass
             with_minute = now - last_minute >= 1.0
-            if self._steps or self._kv is not None or with_minute:
+            if self._steps or self._kv is not None or with_minute or self._setup_changed:
                 if with_minute:
                     last_minute = now
                 ev = self._event(with_minute)

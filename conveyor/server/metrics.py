@@ -24,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from conveyor.engine.llm_engine import EngineInfo
+from conveyor.scheduler.policies import POLICIES
 
 disable_created_metrics()  # no `_created` series, as in vLLM: they double the output for nothing
 
@@ -52,6 +53,8 @@ class EngineStats:
     steps: int = 0  # steps that ran at least one sequence
     step_seqs: int = 0  # sum of sequences over those steps
     phase_seconds: tuple[tuple[str, float], ...] = ()  # cumulative seconds per step phase
+    scheduler: str = ""  # the batching strategy running now
+    scheduler_switches: int = 0
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
@@ -96,6 +99,14 @@ class _EngineCollector(Collector):
         yield counter("engine_steps", "Engine steps that ran at least one sequence.", s.steps)
         yield counter("engine_step_seqs", "Sequences summed over engine steps (mean batch = seqs / steps).",
                       s.step_seqs)
+        if s.scheduler:  # which strategy runs: 1 on its series, 0 on every other registered one
+            info = GaugeMetricFamily("conveyor:scheduler_info", "The batching strategy running now (value 1; the "
+                                     "others 0).", labels=["model_name", "scheduler"])
+            for name in POLICIES:
+                info.add_metric([self.model_name, name], float(name == s.scheduler))
+            yield info
+        yield counter("scheduler_switches", "Batching-strategy switches (POST /admin/scheduler).",
+                      s.scheduler_switches)
         phases = CounterMetricFamily("conveyor:engine_step_phase_seconds",
                                      "Seconds the engine spent in each part of its steps (schedule, prepare "
                                      "inputs, forward, LM head, sampling, output update).",
@@ -119,9 +130,35 @@ class _EngineCollector(Collector):
                     1 + s.spec_accepted_tokens / s.spec_drafts if s.spec_drafts else 0.0)
 
 
+OTHER_TENANT = "other"
+
+
+class TenantLabels:
+    """Bounded label values for tenants: the first `max_tenants` distinct tenants keep their own name, every
+    later one is counted under "other". First come rather than re-ranked by volume, because a series must
+    never move: a counter that passed from a tenant's series to "other" would read as a reset and a jump."""
+
+    def __init__(self, max_tenants: int = 16) -> None:
+        self.max_tenants = max_tenants
+        self.named: set[str] = set()
+
+    def __call__(self, tenant: str | None) -> str:
+        from conveyor.request import DEFAULT_TENANT
+
+        t = tenant if tenant is not None else DEFAULT_TENANT
+        if t in self.named:
+            return t
+        if len(self.named) < self.max_tenants and t != OTHER_TENANT:
+            self.named.add(t)
+            return t
+        return OTHER_TENANT
+
+
 class ServerMetrics:
-    def __init__(self, model_name: str, snapshot: Callable[[], EngineStats], info: EngineInfo | None = None) -> None:
-        """`info`: what the engine was built with (weight and KV dtypes, KV capacity), shown as gauges."""
+    def __init__(self, model_name: str, snapshot: Callable[[], EngineStats], info: EngineInfo | None = None,
+                 max_tenants: int = 16) -> None:
+        """`info`: what the engine was built with (weight and KV dtypes, KV capacity), shown as gauges.
+        `max_tenants`: tenants with series of their own in the per-tenant metrics (the rest: "other")."""
         self.registry = CollectorRegistry(auto_describe=True)
         self.listeners: list = []  # objects with observe_finish / observe_itl (the dashboard), told the same
         self.registry.register(_EngineCollector(snapshot, model_name))
@@ -155,6 +192,18 @@ class ServerMetrics:
                                         labels, registry=self.registry)
         self.embedding_prompt_tokens = Counter("conveyor:embedding_prompt_tokens", "Tokens of embedded inputs.",
                                                labels, registry=self.registry)
+        # per tenant (bounded: `TenantLabels`): service received, and how long it waited for it
+        self.tenant_label = TenantLabels(max_tenants)
+        tl = labels + ["tenant"]
+        self.tenant_prompt_tokens = Counter("conveyor:tenant_prompt_tokens", "Prompt tokens of finished requests, "
+                                            "per tenant.", tl, registry=self.registry)
+        self.tenant_generation_tokens = Counter("conveyor:tenant_generation_tokens", "Tokens generated, per tenant.",
+                                                tl, registry=self.registry)
+        self.tenant_ttft = Histogram("conveyor:tenant_time_to_first_token_seconds", "Arrival to first token, per "
+                                     "tenant.", tl, buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.tenant_queue_time = Histogram("conveyor:tenant_request_queue_time_seconds", "Arrival to first "
+                                           "scheduled, per tenant.", tl, buckets=_LATENCY_BUCKETS,
+                                           registry=self.registry)
         # Pre-create the common label sets so they show up (as 0) before the first request.
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(model_name, reason)
@@ -188,6 +237,18 @@ class ServerMetrics:
             self.e2e.labels(self.model_name).observe(e2e)
         if queue is not None:
             self.queue_time.labels(self.model_name).observe(queue)
+
+    def observe_tenant_tokens(self, tenant: str | None, n: int) -> None:
+        self.tenant_generation_tokens.labels(self.model_name, self.tenant_label(tenant)).inc(n)
+
+    def observe_tenant_finish(self, tenant: str | None, prompt_tokens: int, ttft: float | None,
+                              queue: float | None) -> None:
+        label = self.tenant_label(tenant)
+        self.tenant_prompt_tokens.labels(self.model_name, label).inc(prompt_tokens)
+        if ttft is not None:
+            self.tenant_ttft.labels(self.model_name, label).observe(ttft)
+        if queue is not None:
+            self.tenant_queue_time.labels(self.model_name, label).observe(queue)
 
     def observe_itl(self, seconds: float) -> None:
         for listener in self.listeners:

@@ -82,6 +82,9 @@ class _SamplingFields(_Request):
     min_p: Float | None = None
     repetition_penalty: Float | None = None
     priority: Int64 = 0
+    # latency targets in ms (vLLM-style extras; default: the server's --slo-ttft-ms / --slo-tpot-ms)
+    slo_ttft_ms: Annotated[float, Field(strict=True, gt=0, allow_inf_nan=False)] | None = None
+    slo_tpot_ms: Annotated[float, Field(strict=True, gt=0, allow_inf_nan=False)] | None = None
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: Bool = True
     include_stop_str_in_output: Bool = False

@@ -28,6 +28,7 @@ from conveyor.sampling_params import SamplingParams, StructuredOutputsParams
 from conveyor.server import protocol as P
 from conveyor.server import tools as T
 from conveyor.server.async_engine import AsyncEngine, EngineDeadError, EngineInput, QueueFullError, Submission
+from conveyor.server.tenancy import TenantRule, slo_seconds
 
 _TOKENIZE_IN_THREAD_CHARS = 4096  # longer prompts are tokenized off the event loop
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "tagged-union"}
@@ -160,6 +161,13 @@ class OpenAIServing:
         self.chat_template: str | None = None  # --chat-template (None: the tokenizer's own)
         self.tool_parser = None  # --tool-call-parser, for tool_choice="auto" (conveyor/server/tool_parsers.py)
         self.pooling: str | None = None  # /v1/embeddings pooling (--pooling; None: last token)
+        self.tenant_rule = TenantRule()  # --tenant-key
+
+    def request_fields(self, req: P.CompletionRequest | P.ChatCompletionRequest, request: Request) -> dict:
+        """The strategy-neutral fields of an engine request that come from the HTTP request: its tenant
+        (see `tenancy.py`) and its latency targets."""
+        return dict(tenant=self.tenant_rule.resolve(req.user, request.headers),
+                    slo_ttft_s=slo_seconds(req.slo_ttft_ms), slo_tpot_s=slo_seconds(req.slo_tpot_ms))
 
     # --- shared validation ----------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -365,7 +373,8 @@ class OpenAIServing:
         for _, ids in prompts:
             self.check_prompt(ids, params, "prompt")
         api_id = f"cmpl-{uuid.uuid4().hex}"
-        inputs = [EngineInput(f"{api_id}-{i}", ids, params, req.priority, req.cache_salt)
+        extra = self.request_fields(req, request)
+        inputs = [EngineInput(f"{api_id}-{i}", ids, params, req.priority, req.cache_salt, **extra)
                   for i, (_, ids) in enumerate(prompts)]
         sub = self.submit(api_id, inputs)
         model = req.model or self.model_names[0]
@@ -513,7 +522,8 @@ class OpenAIServing:
                                       structured=structured)
         self.check_prompt(ids, params, "messages")
         api_id = f"chatcmpl-{uuid.uuid4().hex}"
-        sub = self.submit(api_id, [EngineInput(f"{api_id}-0", ids, params, req.priority, req.cache_salt)])
+        sub = self.submit(api_id, [EngineInput(f"{api_id}-0", ids, params, req.priority, req.cache_salt,
+                                               **self.request_fields(req, request))])
         model = req.model or self.model_names[0]
         if req.stream:
             return SSEResponse(self._chat_stream(sub, req, model, len(ids), plan), sub.close)

@@ -81,3 +81,46 @@ def test_measure_peak_flops_is_positive() -> None:
     from conveyor.bench.stats import measure_peak_flops
 
     assert measure_peak_flops(n=128, repeats=2) > 1e6
+
+
+def test_per_tenant_results_jain_and_goodput_by_own_targets() -> None:
+    from conveyor.bench.loadgen import RequestRecord, RunTiming
+    from conveyor.bench.result import EngineRunStats, build_result
+
+    def rec(i: int, tenant: str, ttft: float, out: int, slo_ttft_ms: float | None = None) -> RequestRecord:
+        r = RequestRecord(i, 10, out, tenant=tenant, slo_ttft_ms=slo_ttft_ms)
+        r.sent, r.token_times, r.end, r.output_len = 0.0, [ttft + 0.01 * k for k in range(out)], ttft + out, out
+        return r
+
+    records = [rec(0, "a", 0.1, 10, 200), rec(1, "a", 0.5, 10, 200), rec(2, "b", 0.2, 20), rec(3, "b", 0.3, 20)]
+    res = build_result(records, RunTiming(0.0, 10.0, None, 2), EngineRunStats(), flop_model=None, peak_flops=None,
+                       slo_ttft_ms=1000)
+    assert res.tenants["a"]["output_tok_s"] == 2.0 and res.tenants["b"]["output_tok_s"] == 4.0
+    assert abs(res.jain - 36 / 40) < 1e-9  # (2 + 4)^2 / (2 * (4 + 16))
+    assert res.tenants["a"]["goodput_rps"] == 0.1  # its own 200 ms target: one of two met it
+    assert res.tenants["b"]["goodput_rps"] == 0.2  # no own target: the run's 1000 ms
+    assert res.goodput.requests_per_s == 0.3
+    plain = build_result([rec(0, None, 0.1, 5)], RunTiming(0.0, 1.0, None, 2), EngineRunStats(), flop_model=None,
+                         peak_flops=None)
+    assert plain.tenants is None and plain.jain is None
+
+
+def test_report_has_a_per_tenant_table_for_multi_tenant_runs() -> None:
+    from conveyor.bench.loadgen import RequestRecord, RunTiming
+    from conveyor.bench.report import tenant_table
+    from conveyor.bench.result import EngineRunStats, build_result
+
+    def run(tenants: list[str | None]):
+        records = []
+        for i, t in enumerate(tenants):
+            r = RequestRecord(i, 10, 4, tenant=t)
+            r.sent, r.token_times, r.end, r.output_len = 0.0, [0.1, 0.2, 0.3, 0.4], 0.4, 4
+            records.append(r)
+        return build_result(records, RunTiming(0.0, 1.0, None, 2), EngineRunStats(), flop_model=None,
+                            peak_flops=None)
+
+    lines = tenant_table({"x": run(["noisy", "noisy", "quiet"]), "y": run([None, None])}, ["x", "y"])
+    rows = [ln for ln in lines if ln.startswith("| ") and "strategy" not in ln]
+    assert [ln.split("|")[3].strip() for ln in rows] == ["noisy", "quiet"]  # y has no tenants: no rows
+    assert "0.900" in rows[0]  # Jain of (8, 4) tok/s
+    assert tenant_table({"y": run([None])}, ["y"]) == []

@@ -85,3 +85,22 @@ def test_arrivals_poisson_rate_and_determinism() -> None:
 def test_bad_specs_are_rejected(bad: dict) -> None:
     with pytest.raises(ValueError):
         WorkloadSpec(**bad)
+
+
+def test_noisy_neighbour_sends_the_ratio_from_two_tenants() -> None:
+    reqs = generate(WorkloadSpec("noisy-neighbour", num_prompts=900, input_len=40, output_len=10), VOCAB)
+    counts = {t: sum(r.tenant == t for r in reqs) for t in ("noisy", "quiet")}
+    assert counts["noisy"] + counts["quiet"] == 900
+    assert 6.5 <= counts["noisy"] / counts["quiet"] <= 10, counts  # 8x, within sampling noise
+    assert all(r.slo_ttft_ms is None for r in reqs)
+
+
+def test_mixed_slo_gives_chat_tight_and_batch_loose_targets() -> None:
+    spec = WorkloadSpec("mixed-slo", num_prompts=300, long_fraction=0.25, chat_ttft_ms=500, chat_tpot_ms=80,
+                        batch_ttft_ms=20000)
+    reqs = generate(spec, VOCAB)
+    chat = [r for r in reqs if r.tenant == "chat"]
+    batch = [r for r in reqs if r.tenant == "batch"]
+    assert len(chat) + len(batch) == 300 and 50 <= len(batch) <= 100
+    assert all(r.slo_ttft_ms == 500 and r.slo_tpot_ms == 80 and r.prompt_len <= 128 for r in chat)
+    assert all(r.slo_ttft_ms == 20000 and r.slo_tpot_ms is None and r.prompt_len >= 512 for r in batch)

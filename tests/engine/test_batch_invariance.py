@@ -62,24 +62,41 @@ def probe_params(rid: str, sampled: bool) -> SamplingParams:
     return SamplingParams(max_tokens=PROBE_TOKENS, temperature=0.0, ignore_eos=True)
 
 
-def run(eng: LLMEngine, probes: dict, crowd: dict, sampled: bool, top1: dict) -> dict[str, list[int]]:
-    """Queue the crowd with the probes spread through it, run to the end; {request id: tokens}."""
+def run(eng: LLMEngine, probes: dict, crowd: dict, sampled: bool, top1: dict, mixed: bool = False,
+        ) -> dict[str, list[int]]:
+    """Queue the crowd with the probes spread through it, run to the end; {request id: tokens}.
+
+    `mixed`: the probes come first at the lowest priority, and 12 steps later the crowd, from 4
+    tenants with priorities 0-1 and TTFT targets: the strategies that reorder and preempt by those
+    preempt the probes mid-generation."""
+    out: dict[str, list[int]] = defaultdict(list)
+    top1.clear()
+
+    def step() -> None:
+        for d in eng.step().deltas:
+            out[d.group_id].extend(d.new_token_ids)
+
     order = list(crowd)
     rng = random.Random(99)
     for rid in probes:
         order.insert(rng.randrange(len(order) + 1), rid)
+    if mixed:
+        order = list(probes) + list(crowd)
     for rid in order:
         if rid in probes:
-            eng.add_request(probes[rid], probe_params(rid, sampled), request_id=rid)
-        else:
-            ids, n = crowd[rid]
-            eng.add_request(ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), request_id=rid)
+            eng.add_request(probes[rid], probe_params(rid, sampled), request_id=rid, priority=2 if mixed else 0)
+            continue
+        if mixed and rid == "crowd0":
+            for _ in range(12):  # every probe is running (and decoding) when the crowd comes
+                step()
+        ids, n = crowd[rid]
+        k = int(rid[5:])
+        extra = dict(priority=k % 2, tenant=f"t{k % 4}", slo_ttft_s=0.05 * (1 + k % 5)) if mixed else {}
+        eng.add_request(ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), request_id=rid,
+                        **extra)
     eng.end_input()  # offline: static batches may flush, as LLM.generate does
-    out: dict[str, list[int]] = defaultdict(list)
-    top1.clear()
     while eng.has_unfinished_requests():
-        for d in eng.step().deltas:
-            out[d.group_id].extend(d.new_token_ids)
+        step()
     return {rid: out[rid] for rid in probes}
 
 
@@ -143,6 +160,18 @@ def test_greedy_probes_unchanged_in_a_crowd(model_dir, workload, reference, top1
     probes, crowd = workload
     eng = engine(model_dir, scheduler=scheduler, max_num_batched_tokens=budget)
     got = run(eng, probes, crowd, False, top1)
+    check(reference, False, got, top1)
+
+
+@pytest.mark.parametrize("scheduler", ["priority", "fair", "slo"])
+def test_greedy_probes_unchanged_under_sharing_strategies(model_dir, workload, reference, top1, scheduler):
+    """The strategies that reorder and preempt by priority, tenant and deadline, with a crowd that has
+    all three (and a small running set, so priority preemption happens): chunked budget only."""
+    probes, crowd = workload
+    eng = engine(model_dir, scheduler=scheduler, max_num_batched_tokens=64, max_num_seqs=16)
+    got = run(eng, probes, crowd, False, top1, mixed=True)
+    if scheduler == "priority":
+        assert eng.scheduler.num_preemptions >= PROBES, "the crowd was meant to preempt the probes"
     check(reference, False, got, top1)
 
 

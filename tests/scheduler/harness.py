@@ -32,11 +32,11 @@ class Harness:
         self.steps: list[Step] = []
 
     def add(self, prompt_len: int = 8, max_tokens: int = 4, priority: int = 0, prompt: list[int] | None = None,
-            ) -> Request:
+            tenant: str | None = None, slo_ttft_s: float | None = None) -> Request:
         rid = f"r{next(self.ids)}"
         ids = prompt if prompt is not None else [100 + (hash((rid, i)) % 50) for i in range(prompt_len)]
         req = Request(rid, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True), priority=priority,
-                      arrival_time=self.clock())
+                      arrival_time=self.clock(), tenant=tenant, slo_ttft_s=slo_ttft_s)
         self.sched.add(req)
         return req
 

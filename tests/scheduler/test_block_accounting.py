@@ -33,6 +33,9 @@ class Spec:
     prompt: list[int]
     max_tokens: int
     n: int = 1  # parallel samples: siblings fork sample 0's prompt blocks
+    priority: int = 0  # the priority / fair / slo policies preempt or reorder by these
+    tenant: str | None = None
+    slo_ttft_s: float | None = None
 
 
 class Clock:
@@ -57,7 +60,9 @@ def scenarios(draw):
         use_shared = draw(st.booleans())
         prompt = (shared + draw(st.lists(st.integers(0, 3), min_size=plen, max_size=plen)))[:plen] \
             if use_shared else draw(st.lists(st.integers(0, 3), min_size=plen, max_size=plen))
-        specs.append(Spec(draw(st.integers(0, 30)), prompt, max_tokens, draw(st.sampled_from([1, 1, 2, 3]))))
+        specs.append(Spec(draw(st.integers(0, 30)), prompt, max_tokens, draw(st.sampled_from([1, 1, 2, 3])),
+                          draw(st.integers(0, 3)), draw(st.sampled_from([None, "a", "b"])),
+                          draw(st.sampled_from([None, 0.002, 0.05]))))
     config = dict(
         block_size=block_size,
         max_num_seqs=draw(st.integers(1, 8)),
@@ -67,6 +72,8 @@ def scenarios(draw):
         enable_prefix_caching=draw(st.booleans()),
         max_num_partial_prefills=draw(st.integers(1, 3)),
         admission_reserve=draw(st.booleans()),
+        priority_aging_steps=draw(st.sampled_from([1, 4, 64])),
+        tenant_weights=draw(st.sampled_from([None, "a=2,b=1"])),
     )
     return num_blocks, specs, config
 
@@ -136,7 +143,8 @@ def drive(policy: str, num_blocks: int, specs: list[Spec], config: dict) -> None
             group: list[Request] = []
             for k in range(s.n):  # as LLMEngine.add_request fans out n > 1
                 req = Request(f"r{i}#{k}", list(s.prompt), params.for_sample(k), parent_id=f"r{i}", index=k,
-                              arrival_time=clock(), fork_from=group[0] if group else None)
+                              arrival_time=clock(), fork_from=group[0] if group else None, priority=s.priority,
+                              tenant=s.tenant, slo_ttft_s=s.slo_ttft_s)
                 sched.add(req)
                 group.append(req)
             reqs.extend(group)
@@ -203,6 +211,24 @@ def test_continuous_block_accounting(scenario):
 @given(scenarios())
 def test_iteration_block_accounting(scenario):
     drive("iteration", *scenario)
+
+
+@SETTINGS
+@given(scenarios())
+def test_priority_block_accounting(scenario):
+    drive("priority", *scenario)
+
+
+@SETTINGS
+@given(scenarios())
+def test_fair_block_accounting(scenario):
+    drive("fair", *scenario)
+
+
+@SETTINGS
+@given(scenarios())
+def test_slo_block_accounting(scenario):
+    drive("slo", *scenario)
 
 
 def test_every_policy_is_covered():

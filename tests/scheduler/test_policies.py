@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from conveyor.scheduler.policies import POLICIES
 from tests.scheduler.harness import Harness
 
 
@@ -97,7 +98,7 @@ def test_iteration_orders_by_priority():
 
 def test_preemption_requeues_at_head_and_everything_completes():
     # 12 blocks of 4 tokens: three requests growing to 20 tokens cannot all fit
-    for policy in ("static", "dynamic", "continuous", "iteration"):
+    for policy in POLICIES:
         h = Harness(num_blocks=12, scheduler=policy, batch_size=3)
         reqs = [h.add(prompt_len=8, max_tokens=12) for _ in range(3)]
         h.sched.input_ended = True
