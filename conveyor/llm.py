@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.output_processor import RequestOutputBuilder, request_metrics
+from conveyor.lora.request import LoRARequest
 from conveyor.outputs import RequestOutput
 from conveyor.sampling_params import SamplingParams
 
@@ -53,8 +54,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; results come back in input order."""
+        """Run every prompt to completion; results come back in input order. `lora_request`: one adapter
+        for every prompt or one (or None: the base model) per prompt, as vLLM's."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
@@ -63,13 +66,18 @@ class LLM:
         param_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(param_list) != len(prompts):
             raise ValueError("sampling_params must be one SamplingParams or one per prompt")
+        loras = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError("lora_request must be one LoRARequest or one per prompt")
         encoded = [self._to_ids(p) for p in prompts]  # validate everything before queueing anything
         for (_, ids), sp in zip(encoded, param_list):
             self.engine.validate_prompt(ids, sp)
+        for lora in {lr for lr in loras if lr is not None}:  # a bad adapter fails the call before anything is queued
+            self.engine.load_lora(lora)
         builders: dict[str, RequestOutputBuilder] = {}
         requests = {}
         for i, ((text, ids), sp) in enumerate(zip(encoded, param_list)):
-            reqs = self.engine.add_request(ids, sp, priority=priority[i] if priority else 0)
+            reqs = self.engine.add_request(ids, sp, priority=priority[i] if priority else 0, lora_request=loras[i])
             gid = reqs[0].group_id
             builders[gid] = RequestOutputBuilder(gid, sp.n, text, ids, logprobs=sp.logprobs is not None)
             requests[gid] = reqs

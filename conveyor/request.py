@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from conveyor.lora.request import LoRARequest
 from conveyor.sampling_params import SamplingParams
 
 
@@ -34,6 +35,9 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None
     fork_from: Request | None = field(default=None, repr=False)  # n > 1: share this sibling's prompt blocks
+    lora_request: LoRARequest | None = None  # the adapter this request runs under (None: the base model)
+    lora_key: str | None = None  # that adapter's content digest: part of every KV block hash
+
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -91,6 +95,10 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    @property
+    def lora_int_id(self) -> int | None:
+        return self.lora_request.lora_int_id if self.lora_request is not None else None
 
     @property
     def group_id(self) -> str:
