@@ -63,6 +63,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         '"num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (default: off)')
     g.add_argument("--threads", type=int, default=None,
                    help="torch compute threads (default: one per physical core)")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters of the model (serve --lora-modules; docs/lora.md)")
+    g.add_argument("--max-loras", type=int, default=1, help="most distinct LoRA adapters in one step")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="highest LoRA rank accepted")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="LoRA adapters kept loaded, least recently used dropped first (default: --max-loras)")
 
 
 _HELP = {  # flags defined without a help text get this one
@@ -122,7 +128,9 @@ def engine_config_from_args(args: argparse.Namespace, populate_default: bool = F
         seed=args.seed, attention_backend=args.attention_backend, threads=args.threads,
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_populate=populate,
-        generation_config=args.generation_config, speculative_config=args.speculative_config, **extra,
+        generation_config=args.generation_config, speculative_config=args.speculative_config,
+        enable_lora=getattr(args, "enable_lora", False), max_loras=getattr(args, "max_loras", 1),
+        max_lora_rank=getattr(args, "max_lora_rank", 16), max_cpu_loras=getattr(args, "max_cpu_loras", None), **extra,
     )
 
 

@@ -9,8 +9,8 @@ loop, wherever it runs:
   vLLM runs its engine core: the HTTP side's Python (JSON, SSE, tokenization) no longer shares a
   GIL with the engine's.
 
-Commands: `AddRequest`, `AbortRequest`, `EndInput`, `SnapshotKV`, `Stop`. After each step (and after commands
-that change the engine while it is idle) the loop emits one `LoopOutput`: the step's deltas and
+Commands: `AddRequest`, `AbortRequest`, `EndInput`, `SnapshotKV`, `UnloadLoRA`, `Stop`. After each step (and
+after commands that change the engine while it is idle) the loop emits one `LoopOutput`: the step's deltas and
 stats, a snapshot of the engine's counters, and any failed adds. If a step raises, the loop emits
 a last output carrying the error and ends: the engine is dead, and the client says so.
 """
@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import EngineInfo, EngineSnapshot, KVMap, LLMEngine, StepStats
+from conveyor.lora.request import LoRARequest
 from conveyor.outputs import StepDelta
 from conveyor.sampling_params import SamplingParams
 
@@ -48,11 +49,19 @@ class AddRequest:
     priority: int = 0
     arrival_time: float | None = None  # time.monotonic(): the same clock in every process on Linux
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
 class AbortRequest:
     request_id: str
+
+
+@dataclass
+class UnloadLoRA:
+    """Unload a LoRA adapter (requests still running under it finish first)."""
+
+    lora_int_id: int
 
 
 @dataclass
@@ -72,7 +81,7 @@ class Stop:
     """Abort what is left (each sequence gets a final "abort" delta) and end the loop."""
 
 
-Command = AddRequest | AbortRequest | EndInput | SnapshotKV | Stop
+Command = AddRequest | AbortRequest | EndInput | SnapshotKV | Stop | UnloadLoRA
 
 
 @dataclass
@@ -107,13 +116,16 @@ class EngineLoop:
             out.added += cmd.params.n
             try:
                 e.add_request(cmd.prompt_token_ids, cmd.params, request_id=cmd.request_id, priority=cmd.priority,
-                              arrival_time=cmd.arrival_time, cache_salt=cmd.cache_salt)
+                              arrival_time=cmd.arrival_time, cache_salt=cmd.cache_salt,
+                              lora_request=cmd.lora_request)
             except Exception as exc:  # validated by the caller, so a bug or a race: keep the engine alive
                 out.failed.append((cmd.request_id, f"{type(exc).__name__}: {exc}"))
         elif isinstance(cmd, AbortRequest):
             out.deltas.extend(e.abort_request(cmd.request_id))
         elif isinstance(cmd, EndInput):
             e.end_input()
+        elif isinstance(cmd, UnloadLoRA):
+            e.remove_lora(cmd.lora_int_id)
         elif isinstance(cmd, SnapshotKV):
             out.kv_map = e.kv_map(cmd.max_cells)
         elif isinstance(cmd, Stop):

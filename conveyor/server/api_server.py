@@ -33,6 +33,7 @@ from conveyor.engine.engine_loop import (
     EngineClient,
     InlineEngineClient,
     ProcessEngineClient,
+    Stop,
     ThreadEngineClient,
     dump_stacks_on_sigusr1,
 )
@@ -40,6 +41,12 @@ from conveyor.engine.llm_engine import LLMEngine
 from conveyor.server import protocol as P
 from conveyor.server.async_engine import AsyncEngine
 from conveyor.server.dashboard import DashboardHub, dashboard_html, dashboard_setup
+from conveyor.server.lora import (
+    add_runtime_routes,
+    parse_lora_module,
+    register_lora_modules,
+    runtime_updating_allowed,
+)
 from conveyor.server.metrics import CONTENT_TYPE, ServerMetrics
 from conveyor.server.serving import ApiError, OpenAIServing, bad_request
 
@@ -70,6 +77,8 @@ class ServerArgs:
     disable_log_requests: bool = False
     uvicorn_log_level: str = "info"
     timeout_keep_alive: float = KEEP_ALIVE_S
+    lora_modules: list[str] | None = None  # name=path of LoRA adapters to serve (conveyor/server/lora.py)
+    allow_runtime_lora_updating: bool = False  # mount /v1/load_lora_adapter and /v1/unload_lora_adapter
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> ServerArgs:
@@ -103,6 +112,13 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-interval", type=float, default=10.0, help="seconds between engine stats log lines")
     g.add_argument("--disable-log-requests", action="store_true", help="no per-request log line")
     g.add_argument("--uvicorn-log-level", default="info")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT directories) to serve, each as name=path or vLLM's JSON "
+                        '\'{"name": ..., "path": ...}\'; a request\'s "model" picks one (needs --enable-lora)')
+    g.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   default=os.environ.get("CONVEYOR_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true", "yes"),
+                   help="mount vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind --api-key; "
+                        "default: $CONVEYOR_ALLOW_RUNTIME_LORA_UPDATING)")
     g.add_argument("--timeout-keep-alive", type=float, default=KEEP_ALIVE_S,
                    help="seconds an idle keep-alive connection stays open; keep it above your clients' idle "
                         f"expiry (httpx and openai: 5 s) (default: {KEEP_ALIVE_S:g})")
@@ -150,6 +166,11 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
     """Load the engine (unless given) and wire the routes; the engine thread starts with the app."""
     args = server_args if isinstance(server_args, ServerArgs) else (
         ServerArgs.from_namespace(server_args) if server_args is not None else ServerArgs())
+    if args.lora_modules:  # what can be checked before the model loads
+        if not engine_config.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        for text in args.lora_modules:
+            parse_lora_module(text)
     client = make_client(engine_config, args.engine_loop, engine)
     info = client.info
     aengine = AsyncEngine(client, max_queued_requests=args.max_queued_requests, log_interval_s=args.log_interval,
@@ -157,6 +178,14 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
     metrics = ServerMetrics(info.model_name, aengine.stats, info)
     aengine.metrics = metrics
     serving = OpenAIServing(aengine, [info.model_name], args.request_timeout)
+    try:  # a bad adapter is a startup error: stop the engine loop that is built and waiting
+        loras = register_lora_modules(serving, info.lora, args.lora_modules)
+    except ValueError:
+        client.send(Stop())
+        if not isinstance(client, InlineEngineClient):
+            client.start()
+            client.join(10)
+        raise
     hub = DashboardHub(client, dashboard_setup(engine_config, info))
     aengine.observers.append(hub.observe)
     metrics.listeners.append(hub)
@@ -226,7 +255,12 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
         check_key(request)
         cards = [P.ModelCard(id=name, root=engine_config.model, max_model_len=info.max_model_len)
                  for name in serving.model_names]
+        cards += [P.ModelCard(id=name, root=lora.lora_path, parent=serving.model_names[0],
+                              max_model_len=info.max_model_len) for name, lora in list(serving.loras.items())]
         return Response(P.ModelList(data=cards).model_dump_json(), media_type="application/json")
+
+    if runtime_updating_allowed(args.allow_runtime_lora_updating):
+        add_runtime_routes(app, loras, check_key, lambda request: read_json(request, args.max_request_bytes))
 
     @app.get("/health")
     async def health() -> Response:

@@ -29,7 +29,9 @@ from conveyor.engine.engine_loop import (
     InlineEngineClient,
     LoopOutput,
     Stop,
+    UnloadLoRA,
 )
+from conveyor.lora.request import LoRARequest
 from conveyor.outputs import StepDelta
 from conveyor.request import sequence_ids
 from conveyor.sampling_params import SamplingParams
@@ -54,6 +56,7 @@ class EngineInput:
     params: SamplingParams
     priority: int = 0
     cache_salt: str | None = None  # prefix-cache isolation: only requests with the same salt share blocks
+    lora_request: LoRARequest | None = None  # the adapter the request's `model` names (None: the base model)
 
 
 @dataclass
@@ -244,7 +247,7 @@ class AsyncEngine:
         self.queued_tokens += sum(sub.unstarted.values())
         for inp in inputs:
             self.client.send(AddRequest(inp.request_id, inp.prompt_token_ids, inp.params, inp.priority,
-                                        sub.arrival, inp.cache_salt))
+                                        sub.arrival, inp.cache_salt, inp.lora_request))
         return sub
 
     async def abort_all_after(self, grace_s: float) -> None:
@@ -259,6 +262,10 @@ class AsyncEngine:
             for sub in list(self._subs.values()):
                 for inp in sub.inputs:
                     self.client.send(AbortRequest(inp.request_id))
+
+    def unload_lora(self, lora_int_id: int) -> None:
+        """Tell the engine to drop an adapter's weights once no request runs under it."""
+        self.client.send(UnloadLoRA(lora_int_id))
 
     def release(self, sub: Submission, abort: bool) -> None:
         """A submission is done with: stop routing to it and, if it was unfinished, abort its requests."""
@@ -325,7 +332,8 @@ class AsyncEngine:
             generation_tokens=s.generation_tokens, preemptions=s.preemptions, prefix_queries=s.prefix_queries,
             prefix_hits=s.prefix_hits, steps=self._c.steps, step_seqs=self._c.step_seqs,
             phase_seconds=s.phase_seconds, spec_drafts=s.spec_drafts, spec_draft_tokens=s.spec_draft_tokens,
-            spec_accepted_tokens=s.spec_accepted_tokens, spec_accepted_per_pos=s.spec_accepted_per_pos)
+            spec_accepted_tokens=s.spec_accepted_tokens, spec_accepted_per_pos=s.spec_accepted_per_pos,
+            lora_running=s.lora_running, lora_waiting=s.lora_waiting)
 
     def _maybe_log(self) -> None:
         now = time.monotonic()
