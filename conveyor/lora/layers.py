@@ -6,18 +6,24 @@ linear `y = x W^T` and each segment [s, e) of adapter a:
 
     y[s:e] += (x[s:e] @ A_a^T) @ B_a^T          shrink to the rank, then expand
 
-which is S-LoRA's / Punica's SGMV (segmented gather matrix-vector) done with two dense matmuls per
-segment: no weight is ever merged, no forward runs per adapter, and rows without an adapter are in
-no segment, so they cost nothing. conveyor fuses q/k/v and gate/up into one linear each
-(`conveyor/model/llama.py`); a fused linear's adapters are stacked to match: the projections'
-A matrices are concatenated along the rank ([r_q + r_k + r_v, in]) and their B matrices placed
-block-diagonally ([out_q + out_k + out_v, r_q + r_k + r_v], zero where a projection is not
-adapted), so one shrink and one expand cover all of them and each projection's delta lands on its
-own output columns.
+which is S-LoRA's / Punica's SGMV (segmented gather matrix-vector): no weight is ever merged, no
+forward runs per adapter, and rows without an adapter are in no segment, so they cost nothing.
+conveyor fuses q/k/v and gate/up into one linear each (`conveyor/model/llama.py`); a fused linear's
+adapters are stacked to match: the projections' A matrices are concatenated along the rank
+([r_q + r_k + r_v, in]) and their B matrices placed block-diagonally ([out_q + out_k + out_v,
+r_q + r_k + r_v], zero where a projection is not adapted), so one shrink and one expand cover all
+of them and each projection's delta lands on its own output columns. Both are kept transposed
+(At [in, R], Bt [R, out]), the layout the compiled kernel reads row by row.
+
+Two paths compute the same thing: the compiled CPU kernel (`kernels/csrc/lora_sgmv.cpp`: one call per
+linear for every segment, fp32 accumulation, batch-invariant) where the kernels are built and the
+dtype is fp32 or bf16, and the torch reference (two matmuls per segment) everywhere else, or with
+`CONVEYOR_LORA_KERNEL=0`. tests/lora/test_lora_parity.py checks them against each other.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -27,9 +33,15 @@ from torch import nn
 @dataclass
 class LoRABatch:
     """The current step's segments, shared by every `LoRALinear` of a model: (adapter id, first row,
-    end row). Empty outside a step and in steps without adapter rows."""
+    end row), and the same as an int64 [S, 2] tensor of row ranges for the kernel. Empty outside a step
+    and in steps without adapter rows."""
 
     segments: list[tuple[int, int, int]] = field(default_factory=list)
+    ranges: torch.Tensor | None = None
+
+    def set(self, segments: list[tuple[int, int, int]]) -> None:
+        self.segments = segments
+        self.ranges = torch.tensor([[s, e] for _, s, e in segments], dtype=torch.long) if segments else None
 
 
 def segments_for(lora_ids: list[int | None], row_counts: list[int]) -> list[tuple[int, int, int]]:
@@ -47,24 +59,40 @@ def segments_for(lora_ids: list[int | None], row_counts: list[int]) -> list[tupl
     return segs
 
 
+def sgmv_kernel(dtype: torch.dtype, device: torch.device):
+    """The compiled `lora_sgmv_` op where it applies here, else None (the torch path runs)."""
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if os.environ.get("CONVEYOR_LORA_KERNEL", "1") == "0":
+        return None
+    from conveyor import kernels
+
+    k = kernels.load()
+    return getattr(k, "lora_sgmv_", None) if k is not None else None
+
+
+_EMPTY = torch.empty(0)
+
+
 class LoRALinear(nn.Module):
     """A base linear (packed, quantized or plain) plus the low-rank deltas of every loaded adapter.
 
     `parts` names the projections fused in `base` with their output widths, in output order, e.g.
     [("q_proj", 576), ("k_proj", 192), ("v_proj", 192)] for a fused qkv."""
 
-    def __init__(self, base: nn.Module, parts: list[tuple[str, int]], batch: LoRABatch) -> None:
+    def __init__(self, base: nn.Module, parts: list[tuple[str, int]], batch: LoRABatch, kernel=None) -> None:
         super().__init__()
         self.base = base
         self.parts = parts
         self.out_features = sum(n for _, n in parts)
         self.batch = batch
-        # adapter id -> (A [R, in], B [out, R]) with R the sum of the adapted parts' ranks
+        self.kernel = kernel  # the compiled op, or None: torch
+        # adapter id -> (At [in, R], Bt [R, out]) with R the sum of the adapted parts' ranks
         self.stacked: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def add(self, adapter_id: int, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Install one adapter's (A, B) per projection (scaling already in B); parts it leaves out stay
-        unadapted. Nothing is installed when it adapts none of this linear's parts."""
+        """Install one adapter's (A [r, in], B [out, r]) per projection (scaling already in B); parts it
+        leaves out stay unadapted. Nothing is installed when it adapts none of this linear's parts."""
         if not pairs:
             return
         a_list, blocks, offset, rank = [], [], 0, 0
@@ -75,32 +103,44 @@ class LoRALinear(nn.Module):
                 blocks.append((offset, rank, b))
                 rank += a.shape[0]
             offset += width
-        a_cat = torch.cat(a_list).contiguous()
-        b_bd = a_cat.new_zeros(self.out_features, rank)
+        at = torch.cat(a_list).t().contiguous()
+        bt = at.new_zeros(rank, self.out_features)
         for out0, r0, b in blocks:
-            b_bd[out0:out0 + b.shape[0], r0:r0 + b.shape[1]] = b
-        self.stacked[adapter_id] = (a_cat, b_bd)
+            bt[r0:r0 + b.shape[1], out0:out0 + b.shape[0]] = b.t()
+        self.stacked[adapter_id] = (at, bt)
 
     def remove(self, adapter_id: int) -> None:
         self.stacked.pop(adapter_id, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
+        segs = self.batch.segments
+        if not segs:
+            return y
+        if self.kernel is not None and y.dtype == x.dtype and x.is_contiguous() and y.is_contiguous():
+            got = [self.stacked.get(lid) for lid, _, _ in segs]
+            self.kernel(y, x, self.batch.ranges, [w[0] if w else _EMPTY for w in got],
+                        [w[1] if w else _EMPTY for w in got])
+            return y
+        return self.torch_deltas(x, y)
+
+    def torch_deltas(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The reference path: two matmuls per segment, added in place."""
         for lid, s, e in self.batch.segments:
             w = self.stacked.get(lid)
             if w is not None:
-                a, b = w
-                y[s:e].addmm_(torch.mm(x[s:e], a.t()), b.t())
+                at, bt = w
+                y[s:e].addmm_(torch.mm(x[s:e], at), bt)
         return y
 
     def reference(self, x: torch.Tensor, lora_ids: list[int | None]) -> torch.Tensor:
-        """Row by row in fp32, each projection's delta from its own (A, B): what `forward` must equal."""
+        """Row by row in fp32, each row's delta from its adapter's weights: what both paths must equal."""
         y = self.base(x).float()
         out = []
         for i, lid in enumerate(lora_ids):
             row = y[i].clone()
             if lid is not None and lid in self.stacked:
-                a, b = self.stacked[lid]
-                row += b.float() @ (a.float() @ x[i].float())
+                at, bt = self.stacked[lid]
+                row += (x[i].float() @ at.float()) @ bt.float()
             out.append(row)
         return torch.stack(out)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from conveyor.lora.adapter import LoRAAdapter, LoRASpec, load_adapter
-from conveyor.lora.layers import LoRABatch, LoRALinear, segments_for
+from conveyor.lora.layers import LoRABatch, LoRALinear, segments_for, sgmv_kernel
 from conveyor.lora.request import LoRARequest
 from conveyor.model.llama import LlamaModel
 
@@ -37,13 +37,16 @@ class LoRAManager:
                  "self_attn.o_proj": [("o_proj", cfg.hidden_size)],
                  "mlp.gate_up_proj": [("gate_proj", cfg.intermediate_size), ("up_proj", cfg.intermediate_size)],
                  "mlp.down_proj": [("down_proj", cfg.hidden_size)]}
+        self.kernel = sgmv_kernel(dtype, device)
+        log.info("LoRA: up to %d adapters per step, %d loaded, rank <= %d; low-rank products on the %s path",
+                 max_loras, max_cpu_loras, max_lora_rank, "compiled" if self.kernel is not None else "torch")
         self.layers: list[dict[str, LoRALinear]] = []
         for layer in model.layers:
             wrapped = {}
             for path, parts in fused.items():
                 parent_name, attr = path.split(".")
                 parent: nn.Module = getattr(layer, parent_name)
-                lin = LoRALinear(getattr(parent, attr), parts, self.batch)
+                lin = LoRALinear(getattr(parent, attr), parts, self.batch, self.kernel)
                 setattr(parent, attr, lin)
                 for part, _ in parts:
                     wrapped[part] = lin
@@ -116,7 +119,7 @@ class LoRAManager:
 
     # --- the step -----------------------------------------------------------------------------------
     def set_batch(self, lora_ids: list[int | None], row_counts: list[int]) -> None:
-        self.batch.segments = segments_for(lora_ids, row_counts)
+        self.batch.set(segments_for(lora_ids, row_counts))
 
     def clear_batch(self) -> None:
-        self.batch.segments = []
+        self.batch.set([])

@@ -16,7 +16,7 @@ import torch
 
 from conveyor import LLM, SamplingParams
 from conveyor.lora import LoRARequest
-from conveyor.lora.layers import LoRABatch, LoRALinear, segments_for
+from conveyor.lora.layers import LoRABatch, LoRALinear, segments_for, sgmv_kernel
 from tests.conftest import record_steps
 from tests.hf_reference import hf_greedy
 from tests.lora.peft_adapters import ALL_PROJECTIONS, make_adapter, merged_reference
@@ -66,12 +66,15 @@ def run(llm: LLM, prompts, loras, adapters) -> list:
     return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=reqs)
 
 
-def test_mixed_adapters_match_hf_peft_merged(tiny_llama, adapters, workload):
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_mixed_adapters_match_hf_peft_merged(tiny_llama, adapters, workload, path, monkeypatch):
     prompts, loras, want = workload
+    monkeypatch.setenv("CONVEYOR_LORA_KERNEL", "1" if path == "kernel" else "0")
     assert sum(1 for x in loras if x) >= 32 and len(set(loras)) == 5
     llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=256, max_model_len=256, enable_lora=True,
               max_loras=4, max_num_batched_tokens=64, max_num_seqs=64)
     assert llm.engine.config.enable_prefix_caching
+    assert (llm.engine.runner.lora.kernel is not None) == (path == "kernel")
     steps = record_steps(llm.engine)
     for attempt in ("cold", "cached"):  # the second pass reads its prefixes from the cache
         outs = run(llm, prompts, loras, adapters)
@@ -120,33 +123,47 @@ def test_lru_keeps_at_most_max_cpu_loras(tiny_llama, adapters, workload):
     assert len(llm.engine.list_loras()) == 1  # held past the limit while in use, trimmed once free
 
 
-def test_lora_linear_matches_rowwise_reference():
-    """The grouped shrink/expand over segments (any order, gaps of base rows) equals a row-by-row fp32
-    computation of each projection's own delta."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kernel_and_torch_paths_match_rowwise_reference(dtype):
+    """The compiled kernel and the torch path (grouped shrink/expand over segments in any order, with gaps
+    of base rows) both equal a row-by-row fp32 computation of each row's adapter delta."""
+    kernel = sgmv_kernel(dtype, torch.device("cpu"))
+    assert kernel is not None, "the compiled kernels should build here"
     g = torch.Generator().manual_seed(0)
-    base = torch.nn.Linear(32, 48, bias=True)
+    base = torch.nn.Linear(32, 48, bias=True).to(dtype)
     batch = LoRABatch()
     lin = LoRALinear(base, [("q_proj", 16), ("k_proj", 16), ("v_proj", 16)], batch)
-    pairs = {1: {"q_proj": (4, 16), "v_proj": (4, 16)}, 2: {"k_proj": (8, 16)}, 3: {"q_proj": (2, 16),
-                                                                                   "k_proj": (2, 16),
-                                                                                   "v_proj": (2, 16)}}
+    pairs = {1: {"q_proj": (4, 16), "v_proj": (4, 16)}, 2: {"k_proj": (8, 16)},
+             3: {"q_proj": (2, 16), "k_proj": (2, 16), "v_proj": (2, 16)}}
     for lid, parts in pairs.items():
-        lin.add(lid, {p: (torch.randn(r, 32, generator=g), torch.randn(out, r, generator=g))
+        lin.add(lid, {p: (torch.randn(r, 32, generator=g).to(dtype), torch.randn(out, r, generator=g).to(dtype))
                       for p, (r, out) in parts.items()})
-    ids = [None, 2, 2, 1, None, 3, 1, 1, None, 2]
-    rows = [1, 3, 1, 2, 4, 1, 1, 5, 2, 1]
-    x = torch.randn(sum(rows), 32, generator=g)
+    ids = [None, 2, 2, 1, None, 3, 1, 1, None, 2, 9]  # 9: an adapter this linear does not hold
+    rows = [1, 3, 1, 2, 4, 1, 1, 5, 2, 1, 2]
+    x = torch.randn(sum(rows), 32, generator=g).to(dtype)
     row_ids = [lid for lid, n in zip(ids, rows) for _ in range(n)]
-    batch.segments = segments_for(ids, rows)
+    batch.set(segments_for(ids, rows))
     with torch.no_grad():
-        got = lin(x)
         want = lin.reference(x, row_ids)
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        got_torch = lin(x).float()
+        lin.kernel = kernel
+        got_kernel = lin(x).float()
+        plain = base(x).float()
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.02)
+    torch.testing.assert_close(got_torch, want, **tol)
+    torch.testing.assert_close(got_kernel, want, **tol)
     # a projection an adapter leaves out gets nothing from it: adapter 2's rows equal the base in q and v
     i = row_ids.index(2)
-    with torch.no_grad():
-        plain = base(x[i:i + 1])[0]
-    torch.testing.assert_close(got[i, :16], plain[:16])
-    torch.testing.assert_close(got[i, 32:], plain[32:])
-    assert not torch.allclose(got[i, 16:32], plain[16:32])
+    torch.testing.assert_close(got_kernel[i, :16], plain[i, :16])
+    torch.testing.assert_close(got_kernel[i, 32:], plain[i, 32:])
+    assert not torch.allclose(got_kernel[i, 16:32], plain[i, 16:32])
+    base_rows = [j for j, lid in enumerate(row_ids) if lid in (None, 9)]
+    assert torch.equal(got_kernel[base_rows], plain[base_rows])  # rows without an adapter pay nothing
+    # the kernel's rows are batch-invariant: a row's delta alone is the same bits as among the others
+    at, bt = lin.stacked[3]
+    j = row_ids.index(3)
+    full, alone = torch.zeros(len(row_ids), 48, dtype=dtype), torch.zeros(1, 48, dtype=dtype)
+    kernel(full, x, torch.tensor([[0, len(row_ids)]]), [at], [bt])
+    kernel(alone, x[j:j + 1].contiguous(), torch.tensor([[0, 1]]), [at], [bt])
+    assert torch.equal(alone[0], full[j])
     assert segments_for([1, 1, None, 1, 2], [2, 3, 4, 1, 1]) == [(1, 0, 5), (1, 9, 10), (2, 10, 11)]

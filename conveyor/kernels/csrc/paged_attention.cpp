@@ -558,6 +558,8 @@ void apply_token_bitmask_(torch::Tensor logits, torch::Tensor bits, torch::Tenso
 bool linear_bf16_available();
 torch::Tensor linear_bf16_pack(torch::Tensor w);
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed);
+void lora_sgmv_(torch::Tensor y, torch::Tensor x, torch::Tensor segments, std::vector<torch::Tensor> at,
+                std::vector<torch::Tensor> bt);
 
 // Every op releases the GIL while it runs: the server's event loop keeps streaming meanwhile.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -577,4 +579,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16_available", &linear_bf16_available, "whether this build has the AVX-512 BF16 linear");
   m.def("linear_bf16_pack", &linear_bf16_pack, "a bf16 weight [N, K] in linear_bf16's layout", release());
   m.def("linear_bf16", &linear_bf16, "x @ W^T in bf16 with vdpbf16ps, batch-invariant (CPU)", release());
+  m.def("lora_sgmv_", &lora_sgmv_, "y += LoRA deltas of every adapter segment of a step (CPU)", release());
 }
