@@ -4,15 +4,17 @@
 // with At_s [in, R] and Bt_s [R, out] (the adapter's A and scaled B, transposed). Why compiled: in torch
 // each segment costs two small matmuls, ~20 us each in bf16 whatever their size, and a step with 16
 // adapters has 16 segments in each of a model's 120 linears: ~80 ms of dispatch for a few ms of math.
-// Here one call does every segment; each row is one thread's work, start to end, in fp32:
-//   shrink  t[r] += x[k] * At[k][r]      (k outer, r inner: contiguous, vectorized without reordering sums)
-//   expand  acc[o] += t[r] * Bt[r][o]     (r outer, o inner: the same)
-// and y = y + acc rounded once. A row's result depends only on its own inputs and its adapter, never on
-// the rows beside it: batch-invariant by construction.
+// Here one call does every segment, in blocks of up to 4 rows of one segment (each weight loaded once
+// serves the block), each block one thread's work, start to end, in fp32:
+//   shrink  t[j][r] += x[j][k] * At[k][r]      (k outer, r inner: contiguous, vectorized without reordering sums)
+//   expand  acc[j][o] += t[j][r] * Bt[r][o]     (r outer, o inner: the same)
+// and y = y + acc rounded once. Every row's sums run in the same order whatever block it is in, so a
+// row's result depends only on its own inputs and its adapter: batch-invariant by construction.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -27,32 +29,83 @@ inline float load(const at::BFloat16* p, int64_t i) {
   return f;
 }
 
+constexpr int kRows = 4;      // rows per register block: each weight loaded once serves 4 rows
+constexpr int64_t kOutTile = 512;  // output columns per pass (4 rows of fp32 accumulators stay in L1)
+
+// y[o] = round(y[o] + acc[o]) for a row: rounding to bf16 in integer ops (round to nearest even, as
+// at::BFloat16 does for finite values), which vectorizes; at::BFloat16's scalar conversion was most of
+// the kernel's time.
+inline void add_row(float* __restrict y, const float* __restrict acc, int64_t n) {
+#pragma omp simd
+  for (int64_t o = 0; o < n; ++o) y[o] += acc[o];
+}
+inline void add_row(at::BFloat16* __restrict y, const float* __restrict acc, int64_t n) {
+  uint16_t* yr = reinterpret_cast<uint16_t*>(y);
+#pragma omp simd
+  for (int64_t o = 0; o < n; ++o) {
+    uint32_t u = static_cast<uint32_t>(yr[o]) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    f += acc[o];
+    std::memcpy(&u, &f, sizeof u);
+    const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    yr[o] = nan ? static_cast<uint16_t>(0x7fc0) : static_cast<uint16_t>(u >> 16);
+  }
+}
+
+// rows [row0, row0 + NB) of one segment: t = x At (fp32), then y += t Bt, tile by tile.
+template <typename T, int NB>
+void rows_block(T* __restrict y, const T* __restrict x, int64_t row0, int64_t in, int64_t out,
+                const T* __restrict a, const T* __restrict b, int64_t r_n, float* __restrict t, float* __restrict acc) {
+  for (int j = 0; j < NB * r_n; ++j) t[j] = 0.f;
+  for (int64_t k = 0; k < in; ++k) {
+    float xv[NB];
+    for (int j = 0; j < NB; ++j) xv[j] = load(x + (row0 + j) * in, k);
+    const T* ak = a + k * r_n;
+#pragma omp simd
+    for (int64_t r = 0; r < r_n; ++r) {
+      const float w = load(ak, r);
+      for (int j = 0; j < NB; ++j) t[j * r_n + r] += xv[j] * w;
+    }
+  }
+  for (int64_t o0 = 0; o0 < out; o0 += kOutTile) {
+    const int64_t on = std::min(kOutTile, out - o0);
+    for (int64_t j = 0; j < NB * kOutTile; ++j) acc[j] = 0.f;
+    for (int64_t r = 0; r < r_n; ++r) {
+      float tv[NB];
+      for (int j = 0; j < NB; ++j) tv[j] = t[j * r_n + r];
+      const T* br = b + r * out + o0;
+#pragma omp simd
+      for (int64_t o = 0; o < on; ++o) {
+        const float w = load(br, o);
+        for (int j = 0; j < NB; ++j) acc[j * kOutTile + o] += tv[j] * w;
+      }
+    }
+    for (int j = 0; j < NB; ++j) add_row(y + (row0 + j) * out + o0, acc + j * kOutTile, on);
+  }
+}
+
+// work: (first row, number of rows <= kRows, segment) per block of a segment's rows
 template <typename T>
-void sgmv(T* y, const T* x, int64_t in, int64_t out, const std::vector<int64_t>& row_seg,
+void sgmv(T* y, const T* x, int64_t in, int64_t out, const std::vector<int64_t>& work,
           const std::vector<const T*>& at, const std::vector<const T*>& bt, const std::vector<int64_t>& rank) {
-  const int64_t n = static_cast<int64_t>(row_seg.size()) / 2;
+  const int64_t n = static_cast<int64_t>(work.size()) / 3;
+  int64_t r_max = 0;
+  for (int64_t r : rank) r_max = std::max(r_max, r);
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> t, acc(out);
+    std::vector<float> t(kRows * r_max), acc(kRows * kOutTile);
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t row = row_seg[2 * i], s = row_seg[2 * i + 1];
-      const int64_t r_n = rank[s];
+      const int64_t row0 = work[3 * i], nb = work[3 * i + 1], s = work[3 * i + 2];
       const T* a = at[s];
       const T* b = bt[s];
-      t.assign(r_n, 0.f);
-      const T* xr = x + row * in;
-      for (int64_t k = 0; k < in; ++k) {
-        const float xv = load(xr, k);
-        const T* ak = a + k * r_n;
-        for (int64_t r = 0; r < r_n; ++r) t[r] += xv * load(ak, r);
+      const int64_t r_n = rank[s];
+      switch (nb) {
+        case 4: rows_block<T, 4>(y, x, row0, in, out, a, b, r_n, t.data(), acc.data()); break;
+        case 3: rows_block<T, 3>(y, x, row0, in, out, a, b, r_n, t.data(), acc.data()); break;
+        case 2: rows_block<T, 2>(y, x, row0, in, out, a, b, r_n, t.data(), acc.data()); break;
+        default: rows_block<T, 1>(y, x, row0, in, out, a, b, r_n, t.data(), acc.data()); break;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t r = 0; r < r_n; ++r) {
-        const float tv = t[r];
-        const T* br = b + r * out;
-        for (int64_t o = 0; o < out; ++o) acc[o] += tv * load(br, o);
-      }
-      T* yr = y + row * out;
-      for (int64_t o = 0; o < out; ++o) yr[o] = static_cast<T>(load(yr, o) + acc[o]);
     }
   });
 }
@@ -82,8 +135,9 @@ void lora_sgmv_(torch::Tensor y, torch::Tensor x, torch::Tensor segments, std::v
                 "lora_sgmv_: segment ", s, " needs contiguous at [in, R] and bt [R, out] in y's dtype");
     TORCH_CHECK(0 <= sp[2 * s] && sp[2 * s] <= sp[2 * s + 1] && sp[2 * s + 1] <= n, "lora_sgmv_: bad segment ", s);
     rank[s] = at[s].size(1);
-    for (int64_t r = sp[2 * s]; r < sp[2 * s + 1]; ++r) {
+    for (int64_t r = sp[2 * s]; r < sp[2 * s + 1]; r += kRows) {
       row_seg.push_back(r);
+      row_seg.push_back(std::min<int64_t>(kRows, sp[2 * s + 1] - r));
       row_seg.push_back(s);
     }
   }
