@@ -16,9 +16,10 @@ of them and each projection's delta lands on its own output columns. Both are ke
 (At [in, R], Bt [R, out]), the layout the compiled kernel reads row by row.
 
 Two paths compute the same thing: the compiled CPU kernel (`kernels/csrc/lora_sgmv.cpp`: one call per
-linear for every segment, fp32 accumulation, batch-invariant) where the kernels are built and the
-dtype is fp32 or bf16, and the torch reference (two matmuls per segment) everywhere else, or with
-`CONVEYOR_LORA_KERNEL=0`. tests/lora/test_lora_parity.py checks them against each other.
+linear for every short segment, fp32 accumulation) where the kernels are built and the dtype is fp32
+or bf16, and the torch reference (two matmuls per segment) everywhere else, for segments of
+`LARGE_SEGMENT_ROWS` rows or more (oneDNN's GEMMs win there), or with `CONVEYOR_LORA_KERNEL=0`.
+tests/lora/test_lora_parity.py checks them against each other.
 """
 
 from __future__ import annotations
@@ -29,19 +30,28 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+# Segments of at least this many rows take torch's matmuls even where the kernel is built: oneDNN's
+# GEMMs (AMX / AVX-512 BF16) beat the kernel's plain FMAs once ~20 us of dispatch per matmul is spread
+# over enough rows; short segments (decodes of many adapters) are the kernel's.
+LARGE_SEGMENT_ROWS = 32
+
 
 @dataclass
 class LoRABatch:
     """The current step's segments, shared by every `LoRALinear` of a model: (adapter id, first row,
-    end row), and the same as an int64 [S, 2] tensor of row ranges for the kernel. Empty outside a step
-    and in steps without adapter rows."""
+    end row). Empty outside a step and in steps without adapter rows. `small` / `large` split them for
+    the kernel (with `ranges`, their row ranges as an int64 [S, 2] tensor) and the torch path."""
 
     segments: list[tuple[int, int, int]] = field(default_factory=list)
+    small: list[tuple[int, int, int]] = field(default_factory=list)
+    large: list[tuple[int, int, int]] = field(default_factory=list)
     ranges: torch.Tensor | None = None
 
     def set(self, segments: list[tuple[int, int, int]]) -> None:
         self.segments = segments
-        self.ranges = torch.tensor([[s, e] for _, s, e in segments], dtype=torch.long) if segments else None
+        self.large = [g for g in segments if g[2] - g[1] >= LARGE_SEGMENT_ROWS]
+        self.small = [g for g in segments if g[2] - g[1] < LARGE_SEGMENT_ROWS]
+        self.ranges = torch.tensor([[s, e] for _, s, e in self.small], dtype=torch.long) if self.small else None
 
 
 def segments_for(lora_ids: list[int | None], row_counts: list[int]) -> list[tuple[int, int, int]]:
@@ -118,15 +128,16 @@ class LoRALinear(nn.Module):
         if not segs:
             return y
         if self.kernel is not None and y.dtype == x.dtype and x.is_contiguous() and y.is_contiguous():
-            got = [self.stacked.get(lid) for lid, _, _ in segs]
-            self.kernel(y, x, self.batch.ranges, [w[0] if w else _EMPTY for w in got],
-                        [w[1] if w else _EMPTY for w in got])
-            return y
-        return self.torch_deltas(x, y)
+            if self.batch.small:
+                got = [self.stacked.get(lid) for lid, _, _ in self.batch.small]
+                self.kernel(y, x, self.batch.ranges, [w[0] if w else _EMPTY for w in got],
+                            [w[1] if w else _EMPTY for w in got])
+            return self.torch_deltas(x, y, self.batch.large)
+        return self.torch_deltas(x, y, segs)
 
-    def torch_deltas(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def torch_deltas(self, x: torch.Tensor, y: torch.Tensor, segments: list[tuple[int, int, int]]) -> torch.Tensor:
         """The reference path: two matmuls per segment, added in place."""
-        for lid, s, e in self.batch.segments:
+        for lid, s, e in segments:
             w = self.stacked.get(lid)
             if w is not None:
                 at, bt = w

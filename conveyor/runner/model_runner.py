@@ -123,9 +123,9 @@ class ModelRunner:
 
             self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank,
                                     config.max_cpu_loras or config.max_loras, self.dtype, self.device)
-            # the compiled path computes each row alone (invariant); the torch path's matmuls see as many rows
-            # as the step gives an adapter, so there a row's numerics may depend on its batch
-            self.batch_invariant = self.batch_invariant and self.lora.kernel is not None
+            # an adapter's rows take the compiled kernel (each row alone) or torch's matmuls (as many rows as
+            # the step gives the adapter) depending on the step: a row's numerics may depend on its batch
+            self.batch_invariant = False
         kinds = sorted({m.kernel for m in linears if isinstance(m, PackedLinear)})
         log.info("runner: %s/%s, weights %s, attention %s, %d linear layers packed (%s), %d torch threads, "
                  "batch-invariant outputs: %s", self.device, self.dtype, self.weight_dtype, self.attention_backend,

@@ -139,7 +139,7 @@ def test_kernel_and_torch_paths_match_rowwise_reference(dtype):
         lin.add(lid, {p: (torch.randn(r, 32, generator=g).to(dtype), torch.randn(out, r, generator=g).to(dtype))
                       for p, (r, out) in parts.items()})
     ids = [None, 2, 2, 1, None, 3, 1, 1, None, 2, 9]  # 9: an adapter this linear does not hold
-    rows = [1, 3, 1, 2, 4, 1, 1, 5, 2, 1, 2]
+    rows = [1, 3, 1, 2, 4, 1, 1, 5, 2, 40, 2]  # adapter 2's 40 rows: a large segment (torch's matmuls)
     x = torch.randn(sum(rows), 32, generator=g).to(dtype)
     row_ids = [lid for lid, n in zip(ids, rows) for _ in range(n)]
     batch.set(segments_for(ids, rows))
@@ -149,7 +149,7 @@ def test_kernel_and_torch_paths_match_rowwise_reference(dtype):
         lin.kernel = kernel
         got_kernel = lin(x).float()
         plain = base(x).float()
-    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.02)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.3, rtol=0.02)
     torch.testing.assert_close(got_torch, want, **tol)
     torch.testing.assert_close(got_kernel, want, **tol)
     # a projection an adapter leaves out gets nothing from it: adapter 2's rows equal the base in q and v

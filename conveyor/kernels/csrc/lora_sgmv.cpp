@@ -30,7 +30,6 @@ inline float load(const at::BFloat16* p, int64_t i) {
 }
 
 constexpr int kRows = 4;      // rows per register block: each weight loaded once serves 4 rows
-constexpr int64_t kOutTile = 512;  // output columns per pass (4 rows of fp32 accumulators stay in L1)
 
 // y[o] = round(y[o] + acc[o]) for a row: rounding to bf16 in integer ops (round to nearest even, as
 // at::BFloat16 does for finite values), which vectorizes; at::BFloat16's scalar conversion was most of
@@ -54,35 +53,58 @@ inline void add_row(at::BFloat16* __restrict y, const float* __restrict acc, int
   }
 }
 
-// rows [row0, row0 + NB) of one segment: t = x At (fp32), then y += t Bt, tile by tile.
+// rows [row0, row0 + NB) of one segment: t = x At (fp32), then y += t Bt. Both loops keep their
+// accumulators in registers: 16 rank columns x NB rows for the shrink, 64 output columns x NB rows for
+// the expand, each weight vector loaded once for the NB rows (a tail narrower than a tile takes the
+// plain loop). Every sum runs over k (shrink) or r (expand) in order, whichever path: batch-invariant.
 template <typename T, int NB>
 void rows_block(T* __restrict y, const T* __restrict x, int64_t row0, int64_t in, int64_t out,
-                const T* __restrict a, const T* __restrict b, int64_t r_n, float* __restrict t, float* __restrict acc) {
-  for (int j = 0; j < NB * r_n; ++j) t[j] = 0.f;
-  for (int64_t k = 0; k < in; ++k) {
-    float xv[NB];
-    for (int j = 0; j < NB; ++j) xv[j] = load(x + (row0 + j) * in, k);
-    const T* ak = a + k * r_n;
+                const T* __restrict a, const T* __restrict b, int64_t r_n, float* __restrict t) {
+  constexpr int RT = 16, OT = 64;
+  for (int64_t r0 = 0; r0 < r_n; r0 += RT) {
+    const int64_t rn = std::min<int64_t>(RT, r_n - r0);
+    float acc[NB][RT] = {};
+    for (int64_t k = 0; k < in; ++k) {
+      const T* ak = a + k * r_n + r0;
+      float xv[NB];
+      for (int j = 0; j < NB; ++j) xv[j] = load(x + (row0 + j) * in, k);
+      if (rn == RT) {
 #pragma omp simd
-    for (int64_t r = 0; r < r_n; ++r) {
-      const float w = load(ak, r);
-      for (int j = 0; j < NB; ++j) t[j * r_n + r] += xv[j] * w;
+        for (int r = 0; r < RT; ++r) {
+          const float w = load(ak, r);
+          for (int j = 0; j < NB; ++j) acc[j][r] += xv[j] * w;
+        }
+      } else {
+        for (int r = 0; r < rn; ++r) {
+          const float w = load(ak, r);
+          for (int j = 0; j < NB; ++j) acc[j][r] += xv[j] * w;
+        }
+      }
     }
+    for (int j = 0; j < NB; ++j)
+      for (int r = 0; r < rn; ++r) t[j * r_n + r0 + r] = acc[j][r];
   }
-  for (int64_t o0 = 0; o0 < out; o0 += kOutTile) {
-    const int64_t on = std::min(kOutTile, out - o0);
-    for (int64_t j = 0; j < NB * kOutTile; ++j) acc[j] = 0.f;
+  for (int64_t o0 = 0; o0 < out; o0 += OT) {
+    const int64_t on = std::min<int64_t>(OT, out - o0);
+    float acc[NB][OT] = {};
     for (int64_t r = 0; r < r_n; ++r) {
       float tv[NB];
       for (int j = 0; j < NB; ++j) tv[j] = t[j * r_n + r];
       const T* br = b + r * out + o0;
+      if (on == OT) {
 #pragma omp simd
-      for (int64_t o = 0; o < on; ++o) {
-        const float w = load(br, o);
-        for (int j = 0; j < NB; ++j) acc[j * kOutTile + o] += tv[j] * w;
+        for (int o = 0; o < OT; ++o) {
+          const float w = load(br, o);
+          for (int j = 0; j < NB; ++j) acc[j][o] += tv[j] * w;
+        }
+      } else {
+        for (int o = 0; o < on; ++o) {
+          const float w = load(br, o);
+          for (int j = 0; j < NB; ++j) acc[j][o] += tv[j] * w;
+        }
       }
     }
-    for (int j = 0; j < NB; ++j) add_row(y + (row0 + j) * out + o0, acc + j * kOutTile, on);
+    for (int j = 0; j < NB; ++j) add_row(y + (row0 + j) * out + o0, acc[j], on);
   }
 }
 
@@ -94,17 +116,17 @@ void sgmv(T* y, const T* x, int64_t in, int64_t out, const std::vector<int64_t>&
   int64_t r_max = 0;
   for (int64_t r : rank) r_max = std::max(r_max, r);
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> t(kRows * r_max), acc(kRows * kOutTile);
+    std::vector<float> t(kRows * r_max);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t row0 = work[3 * i], nb = work[3 * i + 1], s = work[3 * i + 2];
       const T* a = at[s];
       const T* b = bt[s];
       const int64_t r_n = rank[s];
       switch (nb) {
-        case 4: rows_block<T, 4>(y, x, row0, in, out, a, b, r_n, t.data(), acc.data()); break;
-        case 3: rows_block<T, 3>(y, x, row0, in, out, a, b, r_n, t.data(), acc.data()); break;
-        case 2: rows_block<T, 2>(y, x, row0, in, out, a, b, r_n, t.data(), acc.data()); break;
-        default: rows_block<T, 1>(y, x, row0, in, out, a, b, r_n, t.data(), acc.data()); break;
+        case 4: rows_block<T, 4>(y, x, row0, in, out, a, b, r_n, t.data()); break;
+        case 3: rows_block<T, 3>(y, x, row0, in, out, a, b, r_n, t.data()); break;
+        case 2: rows_block<T, 2>(y, x, row0, in, out, a, b, r_n, t.data()); break;
+        default: rows_block<T, 1>(y, x, row0, in, out, a, b, r_n, t.data()); break;
       }
     }
   });
