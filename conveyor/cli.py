@@ -107,6 +107,12 @@ def engine_flags() -> list[EngineFlag]:
                    "fp32/bf16), else pure torch; torch: the reference path everywhere",
                    choices=("auto", "kernel", "torch")),
         EngineFlag("threads", "kernels", "torch compute threads (default: one per physical core)", type=int),
+        EngineFlag("enable_lora", "engine", "serve LoRA adapters of the model (serve --lora-modules; docs/lora.md)",
+                   action="store_true"),
+        EngineFlag("max_loras", "engine", "most distinct LoRA adapters in one step", type=int),
+        EngineFlag("max_lora_rank", "engine", "highest LoRA rank accepted", type=int),
+        EngineFlag("max_cpu_loras", "engine", "LoRA adapters kept loaded, least recently used dropped first "
+                   "(default: --max-loras)", type=int),
     ]
     return flags
 

@@ -58,6 +58,11 @@ class EngineConfig:
     served_model_name: str | None = None
     generation_config: str = "auto"  # auto | vllm | a folder: sampling defaults (model/loader.py)
     speculative_config: dict | str | None = None  # vLLM's: {"method": "ngram", "num_speculative_tokens": 5, ...}
+    # LoRA adapters (conveyor/lora, docs/lora.md), as vLLM's flags
+    enable_lora: bool = False
+    max_loras: int = 1  # distinct adapters in one step
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # adapters kept loaded (LRU); None: max_loras
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -91,5 +96,9 @@ class EngineConfig:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {self.max_loras}, {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")

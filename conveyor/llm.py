@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.output_processor import RequestOutputBuilder, request_metrics
+from conveyor.lora.request import LoRARequest
 from conveyor.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from conveyor.pooling import PoolingParams, default_pooling
 from conveyor.sampling_params import SamplingParams
@@ -60,11 +61,13 @@ class LLM:
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
         tenant: str | Sequence[str | None] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; results come back in input order.
 
         `priority`: one per prompt, lower first (vLLM's); `tenant`: one name for all prompts or one per
-        prompt (None: the default tenant), for strategies that share the machine between tenants."""
+        prompt (None: the default tenant), for strategies that share the machine between tenants;
+        `lora_request`: one adapter for every prompt or one (or None: the base model) per prompt, as vLLM's."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
@@ -78,13 +81,19 @@ class LLM:
             raise ValueError("tenant must be one name or one per prompt")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError("priority must have one entry per prompt")
+        loras = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError("lora_request must be one LoRARequest or one per prompt")
         encoded = [self._to_ids(p) for p in prompts]  # validate everything before queueing anything
         for (_, ids), sp in zip(encoded, param_list):
             self.engine.validate_prompt(ids, sp)
+        for lora in {lr for lr in loras if lr is not None}:  # a bad adapter fails the call before anything is queued
+            self.engine.load_lora(lora)
         builders: dict[str, RequestOutputBuilder] = {}
         requests = {}
         for i, ((text, ids), sp) in enumerate(zip(encoded, param_list)):
-            reqs = self.engine.add_request(ids, sp, priority=priority[i] if priority else 0, tenant=tenants[i])
+            reqs = self.engine.add_request(ids, sp, priority=priority[i] if priority else 0, tenant=tenants[i],
+                                           lora_request=loras[i])
             gid = reqs[0].group_id
             builders[gid] = RequestOutputBuilder(gid, sp.n, text, ids, logprobs=sp.logprobs is not None)
             requests[gid] = reqs

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from conveyor.lora.request import LoRARequest
 from conveyor.pooling import PoolingParams
 from conveyor.sampling_params import SamplingParams
 
@@ -41,6 +42,9 @@ class Request:
     tenant: str | None = None  # who sent it (the OpenAI `user` field by default); None: DEFAULT_TENANT
     slo_ttft_s: float | None = None  # latency targets (time to first token, time per output token), if any
     slo_tpot_s: float | None = None
+    lora_request: LoRARequest | None = None  # the adapter this request runs under (None: the base model)
+    lora_key: str | None = None  # that adapter's content digest: part of every KV block hash
+
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -100,6 +104,10 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    @property
+    def lora_int_id(self) -> int | None:
+        return self.lora_request.lora_int_id if self.lora_request is not None else None
 
     @property
     def group_id(self) -> str:

@@ -9,9 +9,9 @@ loop, wherever it runs:
   vLLM runs its engine core: the HTTP side's Python (JSON, SSE, tokenization) no longer shares a
   GIL with the engine's.
 
-Commands: `AddRequest`, `AbortRequest`, `EndInput`, `SnapshotKV`, `SetScheduler`, `Stop`. After each
-step (and after commands that change the engine while it is idle) the loop emits one `LoopOutput`: the step's deltas and
-stats, a snapshot of the engine's counters, and any failed adds. If a step raises, the loop emits
+Commands: `AddRequest`, `AbortRequest`, `EndInput`, `SnapshotKV`, `SetScheduler`, `UnloadLoRA`, `Stop`.
+After each step (and after commands that change the engine while it is idle) the loop emits one `LoopOutput`:
+the step's deltas and stats, a snapshot of the engine's counters, and any failed adds. If a step raises, the loop emits
 a last output carrying the error and ends: the engine is dead, and the client says so.
 """
 
@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import EngineInfo, EngineSnapshot, KVMap, LLMEngine, StepStats
+from conveyor.lora.request import LoRARequest
 from conveyor.outputs import StepDelta
 from conveyor.pooling import PoolingParams
 from conveyor.sampling_params import SamplingParams
@@ -54,11 +55,19 @@ class AddRequest:
     tenant: str | None = None  # None: the default tenant
     slo_ttft_s: float | None = None  # None: the engine's default target, if any
     slo_tpot_s: float | None = None
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
 class AbortRequest:
     request_id: str
+
+
+@dataclass
+class UnloadLoRA:
+    """Unload a LoRA adapter (requests still running under it finish first)."""
+
+    lora_int_id: int
 
 
 @dataclass
@@ -96,7 +105,7 @@ class Stop:
     """Abort what is left (each sequence gets a final "abort" delta) and end the loop."""
 
 
-Command = AddRequest | AbortRequest | EndInput | SnapshotKV | SetScheduler | Stop
+Command = AddRequest | AbortRequest | EndInput | SnapshotKV | SetScheduler | Stop | UnloadLoRA
 
 
 @dataclass
@@ -133,13 +142,16 @@ class EngineLoop:
             try:
                 e.add_request(cmd.prompt_token_ids, cmd.params, request_id=cmd.request_id, priority=cmd.priority,
                               arrival_time=cmd.arrival_time, cache_salt=cmd.cache_salt, pooling=cmd.pooling,
-                              tenant=cmd.tenant, slo_ttft_s=cmd.slo_ttft_s, slo_tpot_s=cmd.slo_tpot_s)
+                              tenant=cmd.tenant, slo_ttft_s=cmd.slo_ttft_s, slo_tpot_s=cmd.slo_tpot_s,
+                              lora_request=cmd.lora_request)
             except Exception as exc:  # validated by the caller, so a bug or a race: keep the engine alive
                 out.failed.append((cmd.request_id, f"{type(exc).__name__}: {exc}"))
         elif isinstance(cmd, AbortRequest):
             out.deltas.extend(e.abort_request(cmd.request_id))
         elif isinstance(cmd, EndInput):
             e.end_input()
+        elif isinstance(cmd, UnloadLoRA):
+            e.remove_lora(cmd.lora_int_id)
         elif isinstance(cmd, SnapshotKV):
             out.kv_map = e.kv_map(cmd.max_cells)
         elif isinstance(cmd, SetScheduler):

@@ -31,6 +31,8 @@ from conveyor.engine.speculative import (
 )
 from conveyor.engine.structured_output import StructuredOutputManager
 from conveyor.kv_cache import KVCacheManager
+from conveyor.lora.adapter import LoRASpec
+from conveyor.lora.request import LoRARequest
 from conveyor.model.loader import default_sampling, load_checkpoint
 from conveyor.outputs import StepDelta
 from conveyor.pooling import PooledOutput, PoolingParams
@@ -102,6 +104,9 @@ class EngineSnapshot:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    # LoRA: sequences per adapter name, running and waiting (vLLM's lora_requests_info)
+    lora_running: tuple[tuple[str, int], ...] = ()
+    lora_waiting: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -134,6 +139,8 @@ class EngineInfo:
     attention_backend: str
     default_sampling: dict = field(default_factory=dict)  # for requests that set none (--generation-config)
     hidden_size: int = 0  # the width of an embedding (/v1/embeddings `dimensions` may not exceed it)
+    lora: LoRASpec | None = None  # what adapters must fit, when LoRA is enabled (checked on the HTTP side)
+    max_loras: int = 0  # distinct adapters per step (0: LoRA off)
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -205,7 +212,9 @@ class LLMEngine:
             block_size=config.block_size, num_kv_blocks=r.num_blocks, bytes_per_block=r.bytes_per_block,
             batch_invariant=r.batch_invariant, attention_backend=r.attention_backend,
             default_sampling=default_sampling(config.model, config.generation_config),
-            hidden_size=ckpt.config.hidden_size)
+            hidden_size=ckpt.config.hidden_size,
+            lora=r.lora.spec if r.lora is not None else None, max_loras=config.max_loras if r.lora is not None else 0)
+        self.lora_to_remove: set[int] = set()  # unloaded while requests still ran under them
         if self.info.default_sampling:
             log.info("sampling defaults for requests that set none (--generation-config %s): %s",
                      config.generation_config, self.info.default_sampling)
@@ -253,13 +262,16 @@ class LLMEngine:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     priority: int = 0, arrival_time: float | None = None,
                     cache_salt: str | None = None, pooling: PoolingParams | None = None, tenant: str | None = None,
-                    slo_ttft_s: float | None = None, slo_tpot_s: float | None = None) -> list[Request]:
+                    slo_ttft_s: float | None = None, slo_tpot_s: float | None = None,
+                    lora_request: LoRARequest | None = None) -> list[Request]:
         """Queue a request (n > 1 fans out into n sequences sharing the prompt). Validates first.
 
         With `pooling` it is an embedding request: prefill only, finished with its vector. `tenant`: who it
         is served for (None: the default tenant); `slo_ttft_s` / `slo_tpot_s`: its latency targets (None:
-        the config's `slo_ttft_ms` / `slo_tpot_ms`, if any)."""
+        the config's `slo_ttft_ms` / `slo_tpot_ms`, if any); `lora_request`: run it under that adapter (loaded
+        from disk on first use)."""
         self.validate_prompt(prompt_token_ids, params)
+        lora_key = self.load_lora(lora_request) if lora_request is not None else None
         vocab = self.model_config.vocab_size
         if params.logit_bias and any(t >= vocab for t in params.logit_bias):
             raise ValueError(f"logit_bias keys must be token ids below the vocabulary size ({vocab})")
@@ -284,7 +296,7 @@ class LLMEngine:
                           eos_token_ids=self.eos_token_ids, parent_id=request_id if params.n > 1 else None,
                           index=i, priority=priority, arrival_time=arrival, cache_salt=cache_salt,
                           fork_from=reqs[0] if reqs else None, pooling=pooling, tenant=tenant,
-                          slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
+                          slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s, lora_request=lora_request, lora_key=lora_key)
             req.matcher = matchers[i]
             self.scheduler.add(req)
             reqs.append(req)
@@ -301,6 +313,49 @@ class LLMEngine:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
             out.append(value)
         return out[0], out[1]
+
+    # --- LoRA adapters ---------------------------------------------------------------------------------
+    def _loras_in_use(self) -> set[int]:
+        return {r.lora_request.lora_int_id for r in self.scheduler.requests.values() if r.lora_request is not None}
+
+    def load_lora(self, lora_request: LoRARequest) -> str:
+        """Load the adapter if it is not loaded; its digest (the KV hash's adapter identity)."""
+        lora = self.runner.lora
+        if lora is None:
+            raise ValueError("this engine was started without LoRA: pass enable_lora=True (--enable-lora)")
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        self.lora_to_remove.discard(lora_request.lora_int_id)
+        return lora.get(lora_request, self._loras_in_use()).key
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload an adapter: at once if no request runs under it, else once the last one finishes
+        (requests already running keep their adapter). False if it was not loaded."""
+        lora = self.runner.lora
+        if lora is None or lora_int_id not in lora.adapters:
+            return False
+        if lora_int_id in self._loras_in_use():
+            self.lora_to_remove.add(lora_int_id)
+        else:
+            lora.remove(lora_int_id)
+        return True
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.runner.lora.loaded if self.runner.lora is not None else []
+
+    def _reap_loras(self) -> None:
+        in_use = self._loras_in_use()
+        for lid in [x for x in self.lora_to_remove if x not in in_use]:
+            self.runner.lora.remove(lid)
+            self.lora_to_remove.discard(lid)
+        self.runner.lora.trim(in_use)
+
+    def _lora_counts(self, reqs) -> tuple[tuple[str, int], ...]:
+        counts: dict[str, int] = {}
+        for r in reqs:
+            if r.lora_request is not None:
+                counts[r.lora_request.lora_name] = counts.get(r.lora_request.lora_name, 0) + 1
+        return tuple(sorted(counts.items()))
 
     def abort_request(self, request_id: str) -> list[StepDelta]:
         """Abort a request (all n of its sequences); frees their KV blocks at once. Returns a final
@@ -351,6 +406,9 @@ class LLMEngine:
         start = time.monotonic()
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
+        lora = self.runner.lora
+        if lora is not None and plan.lora_ids:  # each adapter's rows in one segment (conveyor/lora/layers.py)
+            plan.items.sort(key=lambda it: it.request.lora_int_id or 0)
         tables = [self.kv.block_tables[it.request.request_id] for it in plan.items]
         t1 = time.perf_counter()
         # one entry per sampled row, in the runner's order (a sequence with guesses has a row per guess)
@@ -362,6 +420,8 @@ class LLMEngine:
         # prompt or decode, read before the update gives a finished prompt its first output token
         prefill = [it.num_tokens - it.num_draft > 1 or not it.request.output_token_ids for it in plan.items]
         deltas = self._update(plan, result)
+        if lora is not None and (self.lora_to_remove or len(lora.adapters) > lora.max_cpu_loras):
+            self._reap_loras()
         t3 = time.perf_counter()
         prepare, forward, lm_head, sample = self.runner.last_phases
         phases = {"schedule": t1 - t0, "grammar": tg - t1 + self._grammar_update_s, "prepare": prepare,
@@ -546,7 +606,11 @@ class LLMEngine:
             scheduler_switches=self.scheduler_switches, spec_drafts=self.spec_stats.num_drafts,
             spec_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_accepted_tokens=self.spec_stats.num_accepted_tokens,
-            spec_accepted_per_pos=tuple(self.spec_stats.accepted_per_pos))
+            spec_accepted_per_pos=tuple(self.spec_stats.accepted_per_pos),
+            lora_running=self._lora_counts(self.scheduler.running) if self.runner.lora is not None else (),
+            lora_waiting=self._lora_counts([*self.scheduler.waiting, *(r for v in self.scheduler.held.values()
+                                                                         for r in v)])
+            if self.runner.lora is not None else ())
 
     def kv_map(self, max_cells: int = 4096) -> KVMap:
         """The KV pool at a glance, for the dashboard: each cell is the most common state of its blocks."""

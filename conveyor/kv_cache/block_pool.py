@@ -21,11 +21,12 @@ import numpy as np
 
 class BlockKey(NamedTuple):
     """What a cached block's hash stands for, compared in full on every lookup: a hit must be the same
-    tokens, under the same salt, after the same parent, whatever the hash function does."""
+    tokens, under the same salt and adapter, after the same parent, whatever the hash function does."""
 
     parent: bytes | None
     tokens: tuple[int, ...]
     salt: str | None
+    lora: str | None = None  # the LoRA adapter's digest: its K/V differ from the base model's
 
 
 class BlockPool:

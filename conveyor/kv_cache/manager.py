@@ -17,8 +17,10 @@ from conveyor.request import Request
 _NO_PARENT = b"\0" * 32
 
 
-def hash_block(parent: bytes | None, tokens: tuple[int, ...], salt: str | None) -> bytes:
-    """A full block's identity: SHA-256 over its parent's hash, its own token ids and the tenant's salt.
+def hash_block(parent: bytes | None, tokens: tuple[int, ...], salt: str | None, lora: str | None = None) -> bytes:
+    """A full block's identity: SHA-256 over its parent's hash, its own token ids, the tenant's salt and
+    the LoRA adapter's digest (an adapter on k/v or any earlier layer changes every K/V, so a prefix
+    computed under one adapter must never serve another, as in vLLM).
 
     Chained through the parents, it names the block's whole prefix, which is what its K/V depend on.
     A cryptographic hash, not Python's 64-bit `hash()`: a crafted prompt must not be able to collide
@@ -29,6 +31,9 @@ def hash_block(parent: bytes | None, tokens: tuple[int, ...], salt: str | None) 
     if salt is not None:
         s = salt.encode()
         h.update(struct.pack("<q", len(s)) + s)
+    if lora is not None:
+        s = lora.encode()
+        h.update(b"lora" + struct.pack("<q", len(s)) + s)
     return h.digest()
 
 
@@ -71,8 +76,8 @@ class KVCacheManager:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
             own = tuple(tokens[i * bs:(i + 1) * bs])
-            hashes.append(hash_block(parent, own, req.cache_salt))
-            keys.append(BlockKey(parent, own, req.cache_salt))
+            hashes.append(hash_block(parent, own, req.cache_salt, req.lora_key))
+            keys.append(BlockKey(parent, own, req.cache_salt, req.lora_key))
         return hashes
 
     def prefix_block_hashes(self, req: Request) -> list[bytes]:

@@ -119,6 +119,15 @@ class ModelRunner:
         linears = [m for m in self.model.modules() if isinstance(m, (PackedLinear, QuantizedLinear))]
         self.batch_invariant = (self.attention_backend == "kernel" and bool(linears)
                                 and all(m.batch_invariant for m in linears))
+        self.lora = None  # LoRAManager when adapters are enabled (conveyor/lora)
+        if config.enable_lora:
+            from conveyor.lora.manager import LoRAManager
+
+            self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank,
+                                    config.max_cpu_loras or config.max_loras, self.dtype, self.device)
+            # an adapter's rows take the compiled kernel (each row alone) or torch's matmuls (as many rows as
+            # the step gives the adapter) depending on the step: a row's numerics may depend on its batch
+            self.batch_invariant = False
         kinds = sorted({m.kernel for m in linears if isinstance(m, PackedLinear)})
         log.info("runner: %s/%s, weights %s, attention %s, %d linear layers packed (%s), %d torch threads, "
                  "batch-invariant outputs: %s", self.device, self.dtype, self.weight_dtype, self.attention_backend,
@@ -371,7 +380,11 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
         t1 = time.perf_counter()
+        if self.lora is not None:
+            self.lora.set_batch([it.request.lora_int_id for it in items], query_lens)
         hidden = self.model(input_ids, pos, self.kv_caches, meta)
+        if self.lora is not None:
+            self.lora.clear_batch()
         if any(it.request.prompt_logprobs is not None for it in items):
             self.last_prompt_logprobs = self._prompt_logprobs(items, query_lens, hidden)
         pooled = pool_step(items, query_lens, hidden) if any(it.request.pooling for it in items) else []

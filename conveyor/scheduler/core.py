@@ -30,6 +30,7 @@ class Step:
     preempted: list[Request] = field(default_factory=list)
     admitted: list[Request] = field(default_factory=list)
     scheduled_ids: set[str] = field(default_factory=set)
+    lora_ids: set[int] = field(default_factory=set)  # distinct LoRA adapters in this step
 
     @property
     def num_tokens(self) -> int:
@@ -42,6 +43,13 @@ class Step:
         self.items.append(ScheduledItem(req, n))
         self.scheduled_ids.add(req.request_id)
         self.token_budget -= n
+        if req.lora_request is not None:
+            self.lora_ids.add(req.lora_request.lora_int_id)
+
+    def lora_fits(self, req: Request, max_loras: int) -> bool:
+        """Whether `req` may join without the step holding more than `max_loras` distinct adapters."""
+        lid = req.lora_int_id
+        return lid is None or lid in self.lora_ids or len(self.lora_ids) < max_loras
 
 
 class Scheduler:
@@ -155,6 +163,8 @@ class Scheduler:
         for req in list(order):
             if req.status is not Status.RUNNING or not step.has_room():
                 continue
+            if not step.lora_fits(req, self.config.max_loras):
+                continue  # --max-loras adapters are in this step already: next step
             want = req.num_remaining_work
             n = min(want, step.token_budget)
             if n < want and not chunk and want <= self.config.max_num_batched_tokens:
@@ -172,6 +182,8 @@ class Scheduler:
         """Try to move `req` from waiting to running in this step. False when it does not fit."""
         if not step.has_room() or len(self.running) >= self.config.max_num_seqs:
             return False  # max_num_seqs caps the running set too (vLLM), not only one step's batch
+        if not step.lora_fits(req, self.config.max_loras):
+            return False
         if self._admit_fork(step, req):
             return True
         # a request asking for prompt logprobs computes its whole prompt: a cached prefix has no logits

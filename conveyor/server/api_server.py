@@ -27,6 +27,7 @@ from conveyor.engine.engine_loop import (
     EngineClient,
     InlineEngineClient,
     ProcessEngineClient,
+    Stop,
     ThreadEngineClient,
 )
 from conveyor.engine.llm_engine import LLMEngine
@@ -37,6 +38,12 @@ from conveyor.server.args import KEEP_ALIVE_S, ServerArgs, add_server_args
 from conveyor.server.async_engine import AsyncEngine
 from conveyor.server.dashboard import DashboardHub, dashboard_html, dashboard_setup
 from conveyor.server.launch import GracefulServer, bind_listen_socket, run_server
+from conveyor.server.lora import (
+    add_runtime_routes,
+    parse_lora_module,
+    register_lora_modules,
+    runtime_updating_allowed,
+)
 from conveyor.server.metrics import CONTENT_TYPE, ServerMetrics
 from conveyor.server.serving import ApiError, OpenAIServing, bad_request
 from conveyor.server.tenancy import TenantRule
@@ -91,6 +98,11 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
     # tool and template flags fail here, before the model loads
     tool_parser = check_tool_args(args.enable_auto_tool_choice, args.tool_call_parser)
     chat_template = load_chat_template(args.chat_template)
+    if args.lora_modules:  # what can be checked before the model loads
+        if not engine_config.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        for text in args.lora_modules:
+            parse_lora_module(text)
     client = make_client(engine_config, args.engine_loop, engine)
     info = client.info
     aengine = AsyncEngine(client, max_queued_requests=args.max_queued_requests, log_interval_s=args.log_interval,
@@ -101,6 +113,14 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
     serving.chat_template, serving.tool_parser = chat_template, tool_parser
     serving.pooling = args.pooling or default_pooling(engine_config.model)
     serving.tenant_rule = TenantRule.parse(args.tenant_key)
+    try:  # a bad adapter is a startup error: stop the engine loop that is built and waiting
+        loras = register_lora_modules(serving, info.lora, args.lora_modules)
+    except ValueError:
+        client.send(Stop())
+        if not isinstance(client, InlineEngineClient):
+            client.start()
+            client.join(10)
+        raise
     hub = DashboardHub(client, dashboard_setup(engine_config, info))
     aengine.observers.append(hub.observe)
     metrics.listeners.append(hub)
@@ -176,7 +196,12 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
         check_key(request)
         cards = [P.ModelCard(id=name, root=engine_config.model, max_model_len=info.max_model_len)
                  for name in serving.model_names]
+        cards += [P.ModelCard(id=name, root=lora.lora_path, parent=serving.model_names[0],
+                              max_model_len=info.max_model_len) for name, lora in list(serving.loras.items())]
         return Response(P.ModelList(data=cards).model_dump_json(), media_type="application/json")
+
+    if runtime_updating_allowed(args.allow_runtime_lora_updating):
+        add_runtime_routes(app, loras, check_key, lambda request: read_json(request, args.max_request_bytes))
 
     @app.get("/health")
     async def health() -> Response:

@@ -38,6 +38,8 @@ class ServerArgs:
     pooling: str | None = None
     tenant_key: str = "user"  # user | api-key | header:NAME (conveyor/server/tenancy.py)
     metrics_max_tenants: int = 16  # tenants with their own /metrics series; the rest count as "other"
+    lora_modules: list[str] | None = None  # name=path of LoRA adapters to serve (conveyor/server/lora.py)
+    allow_runtime_lora_updating: bool = False  # mount /v1/load_lora_adapter and /v1/unload_lora_adapter
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> ServerArgs:
@@ -83,6 +85,13 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "deadline-aware strategies and the per-tenant metrics read it (default: none)")
     g.add_argument("--slo-tpot-ms", type=float, default=None,
                    help="time-per-output-token target of requests that bring none (slo_tpot_ms) (default: none)")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT directories) to serve, each as name=path or vLLM's JSON "
+                        '\'{"name": ..., "path": ...}\'; a request\'s "model" picks one (needs --enable-lora)')
+    g.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   default=os.environ.get("CONVEYOR_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true", "yes"),
+                   help="mount vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind --api-key; "
+                        "default: $CONVEYOR_ALLOW_RUNTIME_LORA_UPDATING)")
     g.add_argument("--timeout-keep-alive", type=float, default=KEEP_ALIVE_S,
                    help="seconds an idle keep-alive connection stays open; keep it above your clients' idle "
                         f"expiry (httpx and openai: 5 s) (default: {KEEP_ALIVE_S:g})")

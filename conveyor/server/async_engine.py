@@ -31,7 +31,9 @@ from conveyor.engine.engine_loop import (
     SchedulerSwitch,
     SetScheduler,
     Stop,
+    UnloadLoRA,
 )
+from conveyor.lora.request import LoRARequest
 from conveyor.outputs import StepDelta
 from conveyor.pooling import PoolingParams
 from conveyor.request import sequence_ids
@@ -61,6 +63,7 @@ class EngineInput:
     tenant: str | None = None  # who it is served for (None: the default tenant)
     slo_ttft_s: float | None = None  # latency targets (None: the engine's defaults)
     slo_tpot_s: float | None = None
+    lora_request: LoRARequest | None = None  # the adapter the request's `model` names (None: the base model)
 
 
 @dataclass
@@ -259,7 +262,7 @@ class AsyncEngine:
         for inp in inputs:
             self.client.send(AddRequest(inp.request_id, inp.prompt_token_ids, inp.params, inp.priority,
                                         sub.arrival, inp.cache_salt, inp.pooling, inp.tenant, inp.slo_ttft_s,
-                                        inp.slo_tpot_s))
+                                        inp.slo_tpot_s, inp.lora_request))
         return sub
 
     async def set_scheduler(self, name: str, options: dict, timeout: float = 60.0) -> SchedulerSwitch:
@@ -289,6 +292,10 @@ class AsyncEngine:
             for sub in list(self._subs.values()):
                 for inp in sub.inputs:
                     self.client.send(AbortRequest(inp.request_id))
+
+    def unload_lora(self, lora_int_id: int) -> None:
+        """Tell the engine to drop an adapter's weights once no request runs under it."""
+        self.client.send(UnloadLoRA(lora_int_id))
 
     def release(self, sub: Submission, abort: bool) -> None:
         """A submission is done with: stop routing to it and, if it was unfinished, abort its requests."""
@@ -363,7 +370,8 @@ class AsyncEngine:
             prefix_hits=s.prefix_hits, steps=self._c.steps, step_seqs=self._c.step_seqs,
             phase_seconds=s.phase_seconds, scheduler=s.scheduler, scheduler_switches=s.scheduler_switches,
             spec_drafts=s.spec_drafts, spec_draft_tokens=s.spec_draft_tokens,
-            spec_accepted_tokens=s.spec_accepted_tokens, spec_accepted_per_pos=s.spec_accepted_per_pos)
+            spec_accepted_tokens=s.spec_accepted_tokens, spec_accepted_per_pos=s.spec_accepted_per_pos,
+            lora_running=s.lora_running, lora_waiting=s.lora_waiting)
 
     def _maybe_log(self) -> None:
         now = time.monotonic()

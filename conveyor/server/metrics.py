@@ -9,6 +9,7 @@ Each server owns a `CollectorRegistry`, so several servers can live in one proce
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -59,6 +60,8 @@ class EngineStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    lora_running: tuple[tuple[str, int], ...] = ()  # sequences per LoRA adapter name
+    lora_waiting: tuple[tuple[str, int], ...] = ()
 
     @property
     def kv_usage(self) -> float:
@@ -66,9 +69,10 @@ class EngineStats:
 
 
 class _EngineCollector(Collector):
-    def __init__(self, snapshot: Callable[[], EngineStats], model_name: str) -> None:
+    def __init__(self, snapshot: Callable[[], EngineStats], model_name: str, max_loras: int = 0) -> None:
         self.snapshot = snapshot
         self.model_name = model_name
+        self.max_loras = max_loras  # 0: LoRA is off, no LoRA series
 
     def collect(self) -> Iterator[Metric]:
         s = self.snapshot()
@@ -128,6 +132,23 @@ class _EngineCollector(Collector):
                     s.spec_accepted_tokens / s.spec_draft_tokens if s.spec_draft_tokens else 0.0)
         yield gauge("spec_decode_mean_acceptance_length", "Tokens per verified draft, the model's own included.",
                     1 + s.spec_accepted_tokens / s.spec_drafts if s.spec_drafts else 0.0)
+        if self.max_loras:
+            yield from self._lora(s)
+
+    def _lora(self, s: EngineStats) -> Iterator[Metric]:
+        """vLLM's lora_requests_info (adapters as comma-separated label values, the value a timestamp),
+        and the same per adapter as plain gauges, which are easier to graph."""
+        info = GaugeMetricFamily("conveyor:lora_requests_info", "Running and waiting LoRA adapters (as vLLM's).",
+                                 labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+        info.add_metric([str(self.max_loras), ",".join(n for n, _ in s.lora_waiting),
+                         ",".join(n for n, _ in s.lora_running)], time.time())
+        yield info
+        for which, pairs in (("running", s.lora_running), ("waiting", s.lora_waiting)):
+            g = GaugeMetricFamily(f"conveyor:lora_num_requests_{which}", f"Sequences {which} per LoRA adapter.",
+                                  labels=["model_name", "lora_name"])
+            for name, n in pairs:
+                g.add_metric([self.model_name, name], n)
+            yield g
 
 
 OTHER_TENANT = "other"
@@ -161,7 +182,7 @@ class ServerMetrics:
         `max_tenants`: tenants with series of their own in the per-tenant metrics (the rest: "other")."""
         self.registry = CollectorRegistry(auto_describe=True)
         self.listeners: list = []  # objects with observe_finish / observe_itl (the dashboard), told the same
-        self.registry.register(_EngineCollector(snapshot, model_name))
+        self.registry.register(_EngineCollector(snapshot, model_name, info.max_loras if info is not None else 0))
         labels = ["model_name"]
         self.model_name = model_name
         if info is not None:  # as vLLM's cache_config_info: the labels carry the facts, the value is 1
@@ -204,6 +225,8 @@ class ServerMetrics:
         self.tenant_queue_time = Histogram("conveyor:tenant_request_queue_time_seconds", "Arrival to first "
                                            "scheduled, per tenant.", tl, buckets=_LATENCY_BUCKETS,
                                            registry=self.registry)
+        self.lora_requests = Counter("conveyor:lora_requests", "Requests received per LoRA adapter.",
+                                     labels + ["lora_name"], registry=self.registry)
         # Pre-create the common label sets so they show up (as 0) before the first request.
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(model_name, reason)

@@ -23,6 +23,7 @@ from starlette.types import Receive, Scope, Send
 
 from conveyor.engine.llm_engine import validate_prompt
 from conveyor.engine.output_processor import RequestOutputBuilder
+from conveyor.lora.request import LoRARequest
 from conveyor.outputs import RequestOutput
 from conveyor.sampling_params import SamplingParams, StructuredOutputsParams
 from conveyor.server import protocol as P
@@ -146,6 +147,7 @@ class OpenAIServing:
         self.request_timeout = request_timeout  # seconds from arrival; then the request is aborted (408)
         self.info = aengine.info
         self.model_names = model_names
+        self.loras: dict[str, LoRARequest] = {}  # adapter name -> adapter (conveyor/server/lora.py fills it)
         # A private tokenizer: HF fast tokenizers may refuse concurrent use ("Already borrowed") and the
         # engine thread decodes with the engine's copy.
         try:
@@ -171,8 +173,15 @@ class OpenAIServing:
 
     # --- shared validation ----------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.model_names:
+        if name is not None and name not in self.model_names and name not in self.loras:
             raise ApiError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+    def lora_for(self, name: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names (None: the base model), counted per adapter in /metrics."""
+        lora = self.loras.get(name) if name is not None and name not in self.model_names else None
+        if lora is not None and self.aengine.metrics is not None:
+            self.aengine.metrics.lora_requests.labels(self.model_names[0], lora.lora_name).inc()
+        return lora
 
     async def tokenize(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         if len(text) > self.max_prompt_chars:
@@ -374,7 +383,8 @@ class OpenAIServing:
             self.check_prompt(ids, params, "prompt")
         api_id = f"cmpl-{uuid.uuid4().hex}"
         extra = self.request_fields(req, request)
-        inputs = [EngineInput(f"{api_id}-{i}", ids, params, req.priority, req.cache_salt, **extra)
+        lora = self.lora_for(req.model)
+        inputs = [EngineInput(f"{api_id}-{i}", ids, params, req.priority, req.cache_salt, lora_request=lora, **extra)
                   for i, (_, ids) in enumerate(prompts)]
         sub = self.submit(api_id, inputs)
         model = req.model or self.model_names[0]
@@ -523,6 +533,7 @@ class OpenAIServing:
         self.check_prompt(ids, params, "messages")
         api_id = f"chatcmpl-{uuid.uuid4().hex}"
         sub = self.submit(api_id, [EngineInput(f"{api_id}-0", ids, params, req.priority, req.cache_salt,
+                                               lora_request=self.lora_for(req.model),
                                                **self.request_fields(req, request))])
         model = req.model or self.model_names[0]
         if req.stream:

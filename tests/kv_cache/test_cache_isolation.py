@@ -43,7 +43,7 @@ def test_different_salts_never_share_a_block():
 def test_a_forced_hash_collision_is_caught_by_the_key_check(monkeypatch):
     """With a hash that collides for everything, a lookup still only returns a block whose tokens,
     salt and parent are the request's own."""
-    monkeypatch.setattr(kv_manager, "hash_block", lambda parent, tokens, salt: b"weak")
+    monkeypatch.setattr(kv_manager, "hash_block", lambda parent, tokens, salt, lora=None: b"weak")
     kv = KVCacheManager(64, BS)
     victim = _req("victim", [1, 2, 3, 4, 5, 6, 7, 8, 9], "secret-tenant")
     _fill(kv, victim)

@@ -18,6 +18,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "kernel_api.h"
 
@@ -307,6 +308,46 @@ at::Tensor sample_rows(at::Tensor logits, at::Tensor temperature, at::Tensor top
   return out;
 }
 
+// LoRA: y [n, out] += (x @ at[s]) @ bt[s] over each segment s's rows (lora_sgmv.cpp); segments: int64 [S, 2]
+// (start row, end row); at[s] [in, R_s], bt[s] [R_s, out] in y's dtype; an empty at[s] skips segment s.
+void lora_sgmv_(at::Tensor y, at::Tensor x, at::Tensor segments, std::vector<at::Tensor> at_,
+                std::vector<at::Tensor> bt_) {
+  constexpr int64_t kRows = 4;  // rows per block of work (lora_sgmv.cpp's register block)
+  TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && y.size(0) == x.size(0), "lora_sgmv_: y [n, out] and x [n, in]");
+  TORCH_CHECK(y.is_contiguous() && x.is_contiguous(), "lora_sgmv_: y and x must be contiguous");
+  TORCH_CHECK(y.scalar_type() == x.scalar_type(), "lora_sgmv_: y and x must share a dtype");
+  TORCH_CHECK(y.scalar_type() == at::kFloat || y.scalar_type() == at::kBFloat16,
+              "lora_sgmv_: float32 or bfloat16 only");
+  TORCH_CHECK(segments.scalar_type() == at::kLong && segments.dim() == 2 && segments.size(1) == 2,
+              "lora_sgmv_: segments int64 [S, 2]");
+  const int64_t S = segments.size(0), in = x.size(1), out = y.size(1), n = y.size(0);
+  TORCH_CHECK(static_cast<int64_t>(at_.size()) == S && static_cast<int64_t>(bt_.size()) == S,
+              "lora_sgmv_: one at and one bt per segment");
+  auto seg = segments.contiguous();
+  const int64_t* sp = seg.data_ptr<int64_t>();
+  std::vector<int64_t> work, rank(S, 0);
+  std::vector<const void*> a(S, nullptr), b(S, nullptr);
+  for (int64_t s = 0; s < S; ++s) {
+    if (at_[s].numel() == 0) continue;
+    TORCH_CHECK(at_[s].dim() == 2 && bt_[s].dim() == 2 && at_[s].size(0) == in && bt_[s].size(1) == out &&
+                    at_[s].size(1) == bt_[s].size(0) && at_[s].is_contiguous() && bt_[s].is_contiguous() &&
+                    at_[s].scalar_type() == y.scalar_type() && bt_[s].scalar_type() == y.scalar_type(),
+                "lora_sgmv_: segment ", s, " needs contiguous at [in, R] and bt [R, out] in y's dtype");
+    TORCH_CHECK(0 <= sp[2 * s] && sp[2 * s] <= sp[2 * s + 1] && sp[2 * s + 1] <= n, "lora_sgmv_: bad segment ", s);
+    rank[s] = at_[s].size(1);
+    a[s] = at_[s].data_ptr();
+    b[s] = bt_[s].data_ptr();
+    for (int64_t r = sp[2 * s]; r < sp[2 * s + 1]; r += kRows) {
+      work.push_back(r);
+      work.push_back(std::min<int64_t>(kRows, sp[2 * s + 1] - r));
+      work.push_back(s);
+    }
+  }
+  if (work.empty()) return;
+  table().lora_sgmv(y.scalar_type() == at::kFloat ? DType::F32 : DType::BF16, y.data_ptr(), x.data_ptr(), in,
+                    out, work.data(), static_cast<int64_t>(work.size()) / 3, a.data(), b.data(), rank.data(), S);
+}
+
 }  // namespace
 
 namespace py = pybind11;
@@ -336,6 +377,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16", &linear_bf16, "x @ W^T in bf16 with vdpbf16ps, batch-invariant (CPU)", release());
   m.def("linear_amx_available", &linear_amx_available, "whether the chosen variant and this CPU run AMX tiles");
   m.def("linear_amx", &linear_amx, "x @ W^T in bf16 on AMX tiles, batch-invariant (CPU)", release());
+  m.def("lora_sgmv_", &lora_sgmv_, "y += LoRA deltas of every adapter segment of a step (CPU)", release());
   m.def("sample_rows", &sample_rows, "temperature, top-k, top-p, min-p and one draw per row, no sort (CPU)",
         py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("min_p"),
         py::arg("uniform"), release());

@@ -87,6 +87,9 @@ struct Table {
   // AMX tiles, on linear_bf16's packed layout; set only where the CPU has AMX and Linux grants the tile state
   void (*linear_amx)(const uint16_t* x, const uint16_t* packed, uint16_t* out, int64_t m, int64_t k,
                      int64_t n_blocks) = nullptr;
+  void (*lora_sgmv)(DType dtype, void* y, const void* x, int64_t in, int64_t out, const int64_t* work,
+                    int64_t num_work, const void* const* at, const void* const* bt, const int64_t* rank,
+                    int64_t num_segments) = nullptr;
   void (*sample_rows)(const float* logits, int64_t rows, int64_t vocab, const float* temperature,
                       const int64_t* top_k, const float* top_p, const float* min_p, const double* uniform,
                       int64_t* out) = nullptr;
