@@ -235,22 +235,29 @@ at::Tensor linear_bf16_pack(at::Tensor w) {
   return w.contiguous().view({n / 16, 16, k / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
+// The checks both bf16 linears share (x [M, K] bf16; a weight from linear_bf16_pack; K a multiple of
+// `k_multiple`), `x` made contiguous, and their output [M, N].
+at::Tensor packed_linear_out(const char* name, at::Tensor& x, const at::Tensor& packed, int64_t k_multiple) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(), name,
+              ": x must be a 2-D bf16 CPU tensor");
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.device().is_cpu() &&
+                  packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 2,
+              name, ": the weight must come from linear_bf16_pack");
+  TORCH_CHECK(packed.size(1) * 2 == x.size(1), name, ": x and the packed weight disagree on K");
+  TORCH_CHECK(x.size(1) % k_multiple == 0, name, ": K must be a multiple of ", k_multiple, ", got ", x.size(1));
+  x = x.contiguous();
+  return at::empty({x.size(0), packed.size(0) * 16}, x.options());
+}
+
 // out [M, N] = x [M, K] @ W^T, x and W in bf16 (W packed by linear_bf16_pack), fp32 accumulation.
 at::Tensor linear_bf16(at::Tensor x, at::Tensor packed) {
   TORCH_CHECK(table().linear_bf16 != nullptr, "linear_bf16: the kernel variant '", table().name,
               "' has no AVX-512 BF16 (the CPU lacks it, or CONVEYOR_CPU_VARIANT chose another)");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
-              "linear_bf16: x must be a 2-D bf16 CPU tensor");
-  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.device().is_cpu() &&
-                  packed.dim() == 4 && packed.size(3) == 2,
-              "linear_bf16: the weight must come from linear_bf16_pack");
-  TORCH_CHECK(packed.size(1) * 2 == x.size(1) && packed.size(2) == 16, "linear_bf16: x and the packed weight disagree on K");
-  x = x.contiguous();
-  const int64_t m = x.size(0), k = x.size(1), nblk = packed.size(0);
-  auto out = at::empty({m, nblk * 16}, x.options());
-  if (m == 0) return out;
-  table().linear_bf16(reinterpret_cast<const uint32_t*>(x.data_ptr()), reinterpret_cast<const uint16_t*>(packed.data_ptr()),
-                       reinterpret_cast<uint16_t*>(out.data_ptr()), m, k, nblk);
+  auto out = packed_linear_out("linear_bf16", x, packed, 2);
+  if (out.size(0) > 0)
+    table().linear_bf16(reinterpret_cast<const uint32_t*>(x.data_ptr()),
+                        reinterpret_cast<const uint16_t*>(packed.data_ptr()), reinterpret_cast<uint16_t*>(out.data_ptr()),
+                        x.size(0), x.size(1), packed.size(0));
   return out;
 }
 
@@ -260,19 +267,11 @@ bool linear_amx_available() { return table().linear_amx != nullptr; }
 at::Tensor linear_amx(at::Tensor x, at::Tensor packed) {
   TORCH_CHECK(table().linear_amx != nullptr, "linear_amx: the kernel variant '", table().name,
               "' has no AMX (the CPU lacks it, Linux refused the tile state, or CONVEYOR_CPU_VARIANT chose another)");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
-              "linear_amx: x must be a 2-D bf16 CPU tensor");
-  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.device().is_cpu() &&
-                  packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 2,
-              "linear_amx: the weight must come from linear_bf16_pack");
-  TORCH_CHECK(packed.size(1) * 2 == x.size(1), "linear_amx: x and the packed weight disagree on K");
-  TORCH_CHECK(x.size(1) % 32 == 0, "linear_amx: K must be a multiple of 32, got ", x.size(1));
-  x = x.contiguous();
-  const int64_t m = x.size(0), k = x.size(1), nblk = packed.size(0);
-  auto out = at::empty({m, nblk * 16}, x.options());
-  if (m == 0) return out;
-  table().linear_amx(reinterpret_cast<const uint16_t*>(x.data_ptr()), reinterpret_cast<const uint16_t*>(packed.data_ptr()),
-                     reinterpret_cast<uint16_t*>(out.data_ptr()), m, k, nblk);
+  auto out = packed_linear_out("linear_amx", x, packed, 32);
+  if (out.size(0) > 0)
+    table().linear_amx(reinterpret_cast<const uint16_t*>(x.data_ptr()),
+                       reinterpret_cast<const uint16_t*>(packed.data_ptr()), reinterpret_cast<uint16_t*>(out.data_ptr()),
+                       x.size(0), x.size(1), packed.size(0));
   return out;
 }
 

@@ -39,18 +39,7 @@ namespace {
 
 using conveyor::exp_approx;
 
-inline uint32_t bits_of(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, sizeof(b));
-  return b;
-}
-
-inline float float_of(uint32_t b) {
-  float f;
-  std::memcpy(&f, &b, sizeof(f));
-  return f;
-}
-
+// positive floats order like their bit patterns (dtypes.h's float_to_bits / bits_to_float)
 float row_max(const float* x, int64_t n) {
   float m = -std::numeric_limits<float>::infinity();
   int64_t i = 0;
@@ -148,7 +137,7 @@ float select_desc(const float* e, int64_t n, const std::vector<int32_t>* cand, d
     const int32_t* idx = cur ? cur->data() : nullptr;
     for (int64_t j = 0; j < m; ++j) {
       const float v = e[idx ? idx[j] : j];
-      weight[(bits_of(v) >> shift) & mask] += by_mass ? (double)v : 1.0;
+      weight[(float_to_bits(v) >> shift) & mask] += by_mass ? (double)v : 1.0;
     }
     double acc = 0.0;
     int b = nb - 1, lowest = -1;
@@ -169,11 +158,11 @@ float select_desc(const float* e, int64_t n, const std::vector<int32_t>* cand, d
     next.clear();
     for (int64_t j = 0; j < m; ++j) {
       const int32_t i = idx ? idx[j] : (int32_t)j;
-      if (((bits_of(e[i]) >> shift) & mask) == (uint32_t)b) next.push_back(i);
+      if (((float_to_bits(e[i]) >> shift) & mask) == (uint32_t)b) next.push_back(i);
     }
     cur = &next;
   }
-  return float_of(prefix);
+  return bits_to_float(prefix);
 }
 
 // The token where the cumulative kept mass (e >= t), in token-id order, first exceeds u * total.
