@@ -9,7 +9,8 @@
 | priority   | as iteration; higher priority preempts lower when seats or KV run out (aging bounds it)  |
 | fair       | as iteration; next from the tenant with the least weighted service (Virtual Token Counter); |
 |            | a tenant below its share of seats takes one back from the tenant furthest above its own    |
-| slo        | as iteration; by TTFT deadline, requests already past theirs last                         |
+| slo        | as iteration; by latest start (TTFT deadline); requests that cannot make theirs last;    |
+|            | prefill chunks cut to keep each step within the tightest running TPOT target              |
 
 Adding a strategy touches this module only (its policy and its `PolicySpec`: options, colour, claim,
 display name), plus its tests and docs; the engine, server and lab read everything from `POLICIES`.
@@ -370,33 +371,158 @@ class FairPolicy(IterationPolicy):
             self.counters[t] = self.counters.get(t, 0.0) + cost / self.weight(t)
 
 
-class SloPolicy(IterationPolicy):
-    """Deadline-aware: waiting requests go by TTFT deadline (arrival + target, earliest first; no target:
-    after those with one), running decodes by TPOT target (tightest first, when the budget is short).
+class StepCost:
+    """An online model of how long a step takes for its token count, `seconds = a + b * tokens`, fitted by
+    least squares over the recent steps (older ones fade by `decay` per step).
 
-    A request that can no longer make its deadline (past due, still waiting) is deprioritised: it goes
-    behind every request that still can, so one lost cause does not make the ones behind it late too
-    (goodput). It is not refused, and the demotion lasts at most `4 x priority_aging_steps` steps of
-    waiting, so late requests are still served under sustained overload. Priorities (with aging) rank
-    above deadlines, as in iteration.
+    The scheduler has no timer of its own, but it knows when it is called: when the previous step left work
+    behind, the engine steps again at once, so the time between two calls is the previous step's duration.
+    That is all the deadline-aware policy needs to tell whether a waiting request can still make its TTFT
+    deadline and how many tokens a step may carry without breaking a running request's TPOT target, on
+    whatever machine and model it runs, with no calibration run."""
+
+    def __init__(self, decay: float = 0.97) -> None:
+        self.decay = decay
+        self.n = self.sx = self.sxx = self.sy = self.sxy = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        d = self.decay
+        self.n, self.sx, self.sxx = d * self.n + 1, d * self.sx + tokens, d * self.sxx + tokens * tokens
+        self.sy, self.sxy = d * self.sy + seconds, d * self.sxy + tokens * seconds
+
+    def fit(self) -> tuple[float, float] | None:
+        """(a, b), or None before any step was seen. Steps that all carried the same number of tokens
+        cannot separate the fixed cost from the per-token one: then the whole cost is put on the tokens
+        (the next steps of another size correct it). Neither is ever negative."""
+        if self.n < 1 or self.sx <= 0:
+            return None
+        det = self.n * self.sxx - self.sx * self.sx
+        if det > 1e-9 * self.n * self.sxx:
+            b = (self.n * self.sxy - self.sx * self.sy) / det
+            a = (self.sy - b * self.sx) / self.n
+            if a >= 0 and b > 0:
+                return a, b
+        return 0.0, max(self.sy / self.sx, 1e-9)
+
+    def seconds(self, tokens: int) -> float:
+        ab = self.fit()
+        return 0.0 if ab is None else ab[0] + ab[1] * tokens
+
+    def tokens_within(self, seconds: float) -> int | None:
+        """The most tokens a step may carry and still take at most `seconds` (None: no model yet)."""
+        ab = self.fit()
+        return None if ab is None else max(int((seconds - ab[0]) / ab[1]), 0)
+
+
+class SloPolicy(IterationPolicy):
+    """Deadline-aware, for goodput (requests meeting both their TTFT and TPOT targets, per second) under
+    overload, where plain earliest-deadline-first collapses: once the queue is longer than the targets,
+    the earliest deadline belongs to a request that will miss it anyway, and serving it first makes the
+    one behind it late too, until every request is late.
+
+    - step time: the token budget of a step is cut so that, by the step-cost model (`StepCost`), the step
+      takes at most `tpot_margin` x the tightest TPOT target among the requests decoding now. The cut
+      falls on prefill chunks (decodes go first, as in iteration); every decode still runs, and prefills
+      keep at least `min_prefill_tokens` per step so that they never stall;
+    - admission: waiting requests are walked in order of their latest start (TTFT deadline minus the time
+      their prompt takes), and each one's first token is estimated from the prompt tokens of the requests
+      ahead of it. A request whose estimate still meets its deadline is *reachable*: it is admitted first,
+      and its prompt counts for those behind it. One that would miss it is *hopeless*: it goes behind every
+      reachable request and every request without a target, in arrival order. It is demoted, never
+      refused: it runs whenever the reachable ones leave room (as soon as the overload ends), and the
+      oldest hopeless request that has waited `4 x priority_aging_steps` steps is rescued to the front,
+      one at a time (the next only once the last has its first token), which bounds every wait under a
+      sustained overload at a cost of at most one seat;
+    - running decodes go by TPOT target, tightest first, when the budget is short.
+    Priorities still rank above all of this, but without iteration's aging: aging promotes whoever waited
+    longest, which under overload is first come first served again, the collapse this policy exists to
+    avoid. The rescue above is what bounds waiting here.
     """
 
     name = "slo"
+    tpot_margin = 0.9  # a step may take this much of the tightest TPOT target (the rest: scheduling, sampling)
+    min_prefill_tokens = 16  # prefill tokens a step keeps whatever the TPOT targets (progress)
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.cost = StepCost()
+        self.last: tuple[float, int, list[Request]] | None = None  # last step: planned when, tokens, requests
+        self.rescued: Request | None = None  # the lost cause now served out of turn (bounds waiting)
+
+    def observe(self, s: Scheduler) -> None:
+        """The time since the last call is the last step's duration, if that step left work behind (so the
+        engine stepped again at once, with no idle gap in between)."""
+        now = s.clock()
+        if self.last is not None:
+            t, tokens, reqs = self.last
+            if tokens and any(not r.finished for r in reqs) and now > t:
+                self.cost.observe(tokens, now - t)
+        self.last = None
+
+    def token_cap(self, s: Scheduler) -> int | None:
+        """The step's token budget under the tightest TPOT target of the requests decoding now (None: no cap)."""
+        decoding = [r for r in s.running if not r.is_prefill]
+        tpot = min((r.slo_tpot_s for r in decoding if r.slo_tpot_s is not None), default=None)
+        if tpot is None:
+            return None
+        fit = self.cost.tokens_within(self.tpot_margin * tpot)
+        if fit is None:
+            return None
+        return max(fit, len(decoding) + self.min_prefill_tokens)
 
     def schedule(self, s: Scheduler, step: Step) -> None:
+        self.observe(s)
+        cap = self.token_cap(s)
+        if cap is not None and cap < step.token_budget:
+            step.token_budget = cap
         s.running.sort(key=lambda r: (r.slo_tpot_s is None, r.slo_tpot_s or 0.0, r.arrival_time))
         super().schedule(s, step)
+        self.last = (s.clock(), step.num_tokens, [it.request for it in step.items])
+
+    def prefill_rate(self, s: Scheduler) -> float | None:
+        """Prompt tokens per second a step serves beside the running decodes (None: no cost model yet)."""
+        if self.cost.fit() is None:
+            return None
+        decodes = sum(1 for r in s.running if not r.is_prefill)
+        room = s.config.max_num_batched_tokens - decodes
+        cap = self.token_cap(s)
+        if cap is not None:
+            room = min(room, cap - decodes)
+        room = max(room, 1)
+        return room / max(self.cost.seconds(decodes + room), 1e-9)
 
     def order_waiting(self, s: Scheduler) -> list[Request]:
         now = s.clock()
+        rate = self.prefill_rate(s)
+        if self.rescued is not None and (self.rescued.finished or self.rescued.first_token_time is not None):
+            self.rescued = None
+
+        def need(r: Request) -> float:  # seconds of prefill before its first token
+            return (r.num_tokens - r.num_computed_tokens) / rate if rate else 0.0
+
+        def slack_key(r: Request):
+            return (r.priority, r.ttft_deadline - need(r), r.arrival_time)
+
+        targeted = sorted((r for r in s.waiting if r.ttft_deadline is not None), key=slack_key)
+        # prompts being prefilled now come before any waiting one
+        ahead = sum(r.num_remaining_work for r in s.running if r.is_prefill) / rate if rate else 0.0
+        reachable, hopeless = [], []
+        for r in targeted:
+            if r.first_token_time is None and now + ahead + need(r) > r.ttft_deadline:
+                hopeless.append(r)  # its first token would come too late (a preempted request has had it)
+            else:
+                reachable.append(r)
+                ahead += need(r)
+        untargeted = sorted((r for r in s.waiting if r.ttft_deadline is None),
+                            key=lambda r: (r.priority, r.arrival_time))
+        hopeless.sort(key=lambda r: (r.priority, r.arrival_time))
         patience = 4 * self.aging_steps
-
-        def key(r: Request):
-            deadline = r.ttft_deadline
-            late = deadline is not None and now > deadline and r.total_waited_steps < patience
-            return (self.effective_priority(r), late, deadline is None, deadline or 0.0, r.arrival_time)
-
-        return sorted(s.waiting, key=key)
+        if self.rescued is None:
+            self.rescued = next((r for r in hopeless if r.total_waited_steps >= patience), None)
+        head = [r for r in hopeless if r is self.rescued]
+        rest = [r for r in hopeless if r is not self.rescued]
+        # priorities rank above deadlines: a stable sort by priority keeps each group's order inside it
+        return sorted(head + reachable + untargeted + rest, key=lambda r: r.priority)
 
 
 # --- the registry: one table for the engine, the CLI and the lab ----------------------------------------
@@ -506,7 +632,8 @@ POLICIES: dict[str, PolicySpec] = {spec.name: spec for spec in (
     PolicySpec("fair", "iteration, admitting from the tenant with the least weighted service so far (Virtual "
                "Token Counter)", (TENANT_WEIGHTS, OUTPUT_WEIGHT, PARTIAL_PREFILLS, LONG_PREFILL, AGING_STEPS),
                FairPolicy, color="tab:cyan", claim="a quiet tenant is served as if alone; shares follow weights"),
-    PolicySpec("slo", "iteration, admitting by TTFT deadline; requests already past theirs go last",
+    PolicySpec("slo", "iteration, admitting by TTFT deadline while it is reachable (the rest go last, still "
+               "served); prefill chunks cut to keep steps within the running TPOT targets",
                (PARTIAL_PREFILLS, LONG_PREFILL, AGING_STEPS), SloPolicy, color="tab:pink",
                claim="more requests meet their latency targets under overload", tunable=True),
 )}
