@@ -6,8 +6,8 @@
 One `LLMEngine` (one model load) is driven in-process, no HTTP, so that the client costs nothing:
 1. *capacity*: the baseline strategy (`--strategies`' first) serves the mixed workload in a closed loop
    (the queue always holds `2 x max_num_seqs` requests, so the machine never idles) for
-   `--capacity-seconds`; the completions per second after a warm-up are the machine's capacity for this
-   workload;
+   `--capacity-seconds`; the tokens it processes per second after a warm-up, over the workload's mean
+   tokens per request, are the machine's capacity for this workload in requests/s;
 2. *the trace*: Poisson arrivals at `--overload` (1.3) x that capacity for `--trace-seconds`, the same
    requests at the same offsets for every strategy;
 3. *the replay*: each strategy serves the trace on a fresh scheduler (`engine.reset`); a request's TTFT
@@ -56,30 +56,30 @@ def submit(engine: LLMEngine, rid: str, req, arrival: float) -> None:
 
 
 def capacity(engine: LLMEngine, spec: WorkloadSpec, vocab: int, seconds: float, warmup: float) -> dict:
-    """Closed loop: keep 2 x max_num_seqs requests queued; completions/s after `warmup` (saturated)."""
+    """Closed loop: keep 2 x max_num_seqs requests queued, so the machine never idles, and count the tokens it
+    processes per second after `warmup`. Capacity in requests/s is that over the workload's mean tokens per
+    request (prompt + output). Counting completions instead is biased in a short window: the short chat
+    requests finish first, while the long batch jobs admitted with them are still running at its end."""
     pool = generate(dataclasses.replace(spec, num_prompts=4000, seed=spec.seed + 1), vocab, engine.max_model_len)
+    per_request = sum(r.prompt_len + r.max_tokens for r in pool) / len(pool)
     depth = 2 * engine.config.max_num_seqs
     t0 = time.monotonic()
-    sent = done = 0
-    done_in_window = 0
+    sent = done = tokens = 0
     steps = []
-    while True:
-        now = time.monotonic()
-        if now - t0 >= warmup + seconds:
-            break
+    while time.monotonic() - t0 < warmup + seconds:
         while len(engine.scheduler.requests) < depth:
             submit(engine, f"cap-{sent}", pool[sent % len(pool)], time.monotonic())
             sent += 1
         out = engine.step()
-        if out.stats is not None:
-            steps.append((out.stats.num_tokens, out.stats.num_seqs, out.stats.duration))
-        finished = sum(d.finished for d in out.deltas)
-        done += finished
         if time.monotonic() - t0 >= warmup:
-            done_in_window += finished
+            done += sum(d.finished for d in out.deltas)
+            if out.stats is not None:
+                tokens += out.stats.num_tokens
+                steps.append((out.stats.num_tokens, out.stats.duration))
     engine.abort_all()
-    return {"req_s": done_in_window / seconds, "completed_in_window": done_in_window, "seconds": seconds,
-            "mean_step_ms": 1000 * sum(s[2] for s in steps) / max(len(steps), 1),
+    return {"req_s": tokens / seconds / per_request, "tokens_s": tokens / seconds,
+            "mean_tokens_per_request": per_request, "completed_in_window": done, "seconds": seconds,
+            "mean_step_ms": 1000 * sum(s[1] for s in steps) / max(len(steps), 1),
             "mean_step_tokens": sum(s[0] for s in steps) / max(len(steps), 1)}
 
 
@@ -228,8 +228,9 @@ def main() -> int:
                         chat_ttft_ms=args.chat_ttft_ms, chat_tpot_ms=args.chat_tpot_ms,
                         batch_ttft_ms=args.batch_ttft_ms, seed=args.seed)
     cap = capacity(engine, spec, vocab, args.capacity_seconds, args.capacity_warmup)
-    print(f"capacity under {names[0]}: {cap['req_s']:.2f} req/s ({cap['completed_in_window']} in "
-          f"{args.capacity_seconds:g}s; mean step {cap['mean_step_ms']:.1f} ms, {cap['mean_step_tokens']:.0f} tokens)",
+    print(f"capacity under {names[0]}: {cap['req_s']:.2f} req/s ({cap['tokens_s']:.0f} tokens/s over "
+          f"{cap['mean_tokens_per_request']:.0f} per request; mean step {cap['mean_step_ms']:.1f} ms, "
+          f"{cap['mean_step_tokens']:.0f} tokens)",
           flush=True)
     rate = args.overload * cap["req_s"]
     n = max(1, round(rate * args.trace_seconds))
