@@ -1,6 +1,6 @@
 """Noisy neighbour over HTTP: a quiet tenant beside one sending 8x its rate, under each strategy.
 
-    python benchmarks/noisy_neighbour.py --out docs/fairness/noisy_neighbour.json
+    python benchmarks/noisy_neighbour.py --out docs/fairness/noisy_neighbour.json   # about 5 minutes, SmolLM2
 
 One `conveyor serve` of SmolLM2-135M (`--max-num-seqs 4`, so a few streams fill it) is driven with the
 `openai` client, streaming. Each strategy is switched in live (`POST /admin/scheduler`), and the server
@@ -17,7 +17,8 @@ Every request: a ~32-token prompt, greedy, ignore_eos; B's are short (`--quiet-o
 A's longer (`--output-tokens`), so that B alone is served with room to spare and A at 8x its rate is
 several times what fits.
 Speed is only compared within this run (ratios), as the machine is shared: the load average and the CPU
-model are recorded.
+model are recorded. Writes the JSON file and, beside it, a plot (`.png`): B's TTFT, every request, alone and
+beside A under each strategy.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ REPO = Path(__file__).resolve().parent.parent
 KEY = "bench-key"
 MODEL = "bench"  # the served model name
 # ~32 prompt tokens with SmolLM2's tokenizer; set by the flags
-SIZES = {"prompt_words": 24, "output_tokens": 16, "quiet_output_tokens": 16}
+SIZES = {"prompt_words": 24, "output_tokens": 128, "quiet_output_tokens": 16}
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -215,6 +216,40 @@ def ttft_summary(recs: list[dict], tenant: str) -> dict:
             "ttft_ms_sorted": [round(1000 * t, 1) for t in sorted(ttfts)] if tenant == "quiet" else None}
 
 
+def plot(result: dict, path: Path) -> None:
+    """B's TTFT, every request sorted (so the right end is the p99), alone and beside A, for each strategy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sys.path.insert(0, str(REPO))
+    from conveyor.scheduler.policies import POLICIES
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, entry in result["strategies"].items():
+        spec = POLICIES.get(name)
+        color, shown = (spec.color, spec.shown) if spec else ("tab:gray", name)
+        for phase, style, label in (("quiet_alone", ":", "B alone"), ("quiet_beside_noisy", "-", "B beside A (8x)")):
+            ys = entry[phase]["ttft_ms_sorted"] or []
+            if ys:
+                xs = [100 * (i + 1) / len(ys) for i in range(len(ys))]
+                ax.step(xs, ys, where="post", linestyle=style, color=color, label=f"{shown}: {label}")
+        ratio = entry.get("p99_ratio")
+        if ratio is not None:
+            ax.annotate(f"{shown}: p99 {ratio:.1f}x alone", xy=(100, entry["quiet_beside_noisy"]["ttft_p99_ms"]),
+                        xytext=(-5, 4), textcoords="offset points", ha="right", fontsize=8, color=color)
+    ax.set_yscale("log")
+    ax.set_xlabel("percentile of B's requests")
+    ax.set_ylabel("B's time to first token (ms)")
+    ax.set_title(f"noisy neighbour over HTTP: {result['settings']['model']} on {result['cpu']} ({result['cores']} "
+                 f"cores, load avg {result['load_before'][0]:.1f})", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m",
@@ -222,15 +257,15 @@ def main() -> int:
                          "scheduling is the same; its steps take milliseconds, for a machine too busy for a real one)")
     ap.add_argument("--strategies", default="iteration,fair")
     ap.add_argument("--fair", default="fair", help="the strategy whose tenant shares are measured")
-    ap.add_argument("--quiet-rate", type=float, default=0.25, help="tenant B's requests per second")
+    ap.add_argument("--quiet-rate", type=float, default=1.0, help="tenant B's requests per second")
     ap.add_argument("--ratio", type=float, default=8.0, help="tenant A's rate over B's")
-    ap.add_argument("--seconds", type=float, default=60.0, help="length of each open-loop phase")
+    ap.add_argument("--seconds", type=float, default=40.0, help="length of each open-loop phase")
     ap.add_argument("--prompt-words", type=int, default=SIZES["prompt_words"])
     ap.add_argument("--output-tokens", type=int, default=SIZES["output_tokens"], help="the noisy tenant's (and "
                     "the share phases') output tokens per request")
     ap.add_argument("--quiet-output-tokens", type=int, default=SIZES["quiet_output_tokens"],
                     help="the quiet tenant's: short interactive requests")
-    ap.add_argument("--share-seconds", type=float, default=40.0, help="length of each closed-loop share phase")
+    ap.add_argument("--share-seconds", type=float, default=25.0, help="length of each closed-loop share phase")
     ap.add_argument("--max-num-seqs", type=int, default=4)
     ap.add_argument("--skip-noisy", action="store_true", help="only the share phases")
     ap.add_argument("--out", type=Path, default=REPO / "docs/fairness/noisy_neighbour.json")
@@ -239,6 +274,7 @@ def main() -> int:
                  quiet_output_tokens=args.quiet_output_tokens)
     from conveyor.bench.compare import cpu_name
 
+    t_start = time.monotonic()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
     result: dict = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "cpu": cpu_name(),
@@ -287,8 +323,10 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             proc.kill()
     result["load_after"] = os.getloadavg()
+    result["wall_s"] = time.monotonic() - t_start
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    plot(result, args.out.with_suffix(".png"))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')} ({result['wall_s']:.0f}s)")
     return 0
 
 
