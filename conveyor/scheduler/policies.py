@@ -423,7 +423,8 @@ class SloPolicy(IterationPolicy):
     - step time: the token budget of a step is cut so that, by the step-cost model (`StepCost`), the step
       takes at most `tpot_margin` x the tightest TPOT target among the requests decoding now. The cut
       falls on prefill chunks (decodes go first, as in iteration); every decode still runs, and prefills
-      keep at least `min_prefill_tokens` per step so that they never stall;
+      keep at least `min_prefill_tokens` per step so that they never stall (a target that cannot be kept
+      even so is ignored: see `token_cap`);
     - admission: waiting requests are walked in order of their latest start (TTFT deadline minus the time
       their prompt takes), and each one's first token is estimated from the prompt tokens of the requests
       ahead of it. A request whose estimate still meets its deadline is *reachable*: it is admitted first,
@@ -460,15 +461,19 @@ class SloPolicy(IterationPolicy):
         self.last = None
 
     def token_cap(self, s: Scheduler) -> int | None:
-        """The step's token budget under the tightest TPOT target of the requests decoding now (None: no cap)."""
+        """The step's token budget under the tightest attainable TPOT target of the requests decoding now
+        (None: no cap). A target that even a step of bare decodes would break is ignored: it is missed
+        whatever the cut, and cutting for it would only starve the prefills (the whole machine slowed
+        down, say), so the next tightest one that can still be kept decides."""
         decoding = [r for r in s.running if not r.is_prefill]
-        tpot = min((r.slo_tpot_s for r in decoding if r.slo_tpot_s is not None), default=None)
-        if tpot is None:
-            return None
-        fit = self.cost.tokens_within(self.tpot_margin * tpot)
-        if fit is None:
-            return None
-        return max(fit, len(decoding) + self.min_prefill_tokens)
+        floor = len(decoding) + self.min_prefill_tokens
+        for tpot in sorted({r.slo_tpot_s for r in decoding if r.slo_tpot_s is not None}):
+            fit = self.cost.tokens_within(self.tpot_margin * tpot)
+            if fit is None:
+                return None
+            if fit >= floor:
+                return fit
+        return None
 
     def schedule(self, s: Scheduler, step: Step) -> None:
         self.observe(s)

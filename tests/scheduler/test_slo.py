@@ -78,6 +78,21 @@ def test_slo_cuts_prefill_chunks_to_keep_steps_within_the_tightest_tpot(schedule
         assert worst > 0.05
 
 
+def test_slo_ignores_a_tpot_target_no_step_could_keep():
+    """A 5 ms TPOT target where a bare decode step takes 10 ms is missed whatever the cut: the prompt beside
+    it is not starved for it (full 512-token chunks), while a keepable 50 ms target still cuts them."""
+    for tpot, biggest in ((0.005, 512), (0.05, 350)):
+        h = Harness(num_blocks=2048, scheduler="slo", max_num_seqs=4, max_num_batched_tokens=512)
+        chat = add(h, "chat", 8, 40, ttft=1.0, tpot=tpot)
+        for _ in range(3):
+            costed_step(h)
+        add(h, "batch", 3000, 1, ttft=60.0)
+        sizes = []
+        while not chat.finished:
+            sizes.append(costed_step(h).num_tokens)
+        assert max(sizes) == biggest
+
+
 def test_slo_puts_a_request_that_cannot_make_its_deadline_behind_those_that_can():
     """Ordered by deadline alone, `long` (due first) would go first and make `short` late too; its prompt
     takes longer than the time to its deadline, so it goes behind, and `short` still makes its own."""
