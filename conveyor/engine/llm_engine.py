@@ -45,6 +45,8 @@ from conveyor.scheduler.policies import POLICIES, coerce_options, make_policy
 log = logging.getLogger("conveyor.engine")
 
 
+MAX_TENANT_ROWS = 64  # tenants whose generated tokens the engine counts for the dashboard (first come)
+
 STEP_PHASES = ("schedule", "grammar", "prepare", "forward", "lm_head", "sample", "update")
 
 
@@ -107,6 +109,8 @@ class EngineSnapshot:
     # LoRA: sequences per adapter name, running and waiting (vLLM's lora_requests_info)
     lora_running: tuple[tuple[str, int], ...] = ()
     lora_waiting: tuple[tuple[str, int], ...] = ()
+    # per tenant (with requests now, or counted): (tenant, running, waiting, tokens generated since the start)
+    tenants: tuple[tuple[str, int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -246,6 +250,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv, make_policy(config), self.max_model_len)
         self.total_prompt_tokens = 0
         self.total_generation_tokens = 0
+        self.tenant_tokens: dict[str, int] = {}  # generated tokens per tenant (the dashboard's tenant rows)
         self.phase_seconds = dict.fromkeys(STEP_PHASES, 0.0)  # cumulative, for the log, /metrics and the lab
         self.spec_stats = SpecStats()
         self.spec_skipped_steps = 0  # steps where guesses were ready but the back-off said they would not pay
@@ -508,6 +513,8 @@ class LLMEngine:
                 req.cumulative_logprob += slps[j]
                 kept_lps.append(lps[j])
             self.total_generation_tokens += 1
+            if req.tenant_id in self.tenant_tokens or len(self.tenant_tokens) < MAX_TENANT_ROWS:
+                self.tenant_tokens[req.tenant_id] = self.tenant_tokens.get(req.tenant_id, 0) + 1
             piece = self.detok.decode_token(req, tok)
             stop = apply_stop(req, tok, piece, self.max_model_len)
             if req.matcher is not None:
@@ -610,7 +617,23 @@ class LLMEngine:
             lora_running=self._lora_counts(self.scheduler.running) if self.runner.lora is not None else (),
             lora_waiting=self._lora_counts([*self.scheduler.waiting, *(r for v in self.scheduler.held.values()
                                                                          for r in v)])
-            if self.runner.lora is not None else ())
+            if self.runner.lora is not None else (),
+            tenants=self._tenant_rows())
+
+    def _tenant_rows(self) -> tuple[tuple[str, int, int, int], ...]:
+        """(tenant, running, waiting, tokens generated) for every tenant with a request now and every one
+        whose tokens are counted (the first `MAX_TENANT_ROWS` seen, so that a server with a tenant per user
+        keeps a bounded table). Running and waiting are counted from the queues at each snapshot rather than
+        kept up to date at every transition: the queues are the only truth."""
+        rows: dict[str, list[int]] = {t: [0, 0] for t in self.tenant_tokens}
+        for r in self.scheduler.running:
+            rows.setdefault(r.tenant_id, [0, 0])[0] += 1
+        for r in self.scheduler.waiting:
+            rows.setdefault(r.tenant_id, [0, 0])[1] += 1
+        for v in self.scheduler.held.values():
+            for r in v:
+                rows.setdefault(r.tenant_id, [0, 0])[1] += 1
+        return tuple((t, run, wait, self.tenant_tokens.get(t, 0)) for t, (run, wait) in sorted(rows.items()))
 
     def kv_map(self, max_cells: int = 4096) -> KVMap:
         """The KV pool at a glance, for the dashboard: each cell is the most common state of its blocks."""

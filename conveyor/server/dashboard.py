@@ -34,6 +34,7 @@ from conveyor.engine.llm_engine import EngineSnapshot
 log = logging.getLogger("conveyor.server")
 
 WINDOW_S = 60  # the minute of history the page shows
+TENANT_ROWS = 8  # tenant rows an event carries (the page shows them all)
 
 
 def dashboard_html() -> str:
@@ -220,7 +221,10 @@ class DashboardHub:
             ev["snapshot"] = {"running": s.running, "waiting": s.waiting, "kv_used": s.kv_blocks_used,
                               "kv_total": s.kv_blocks_total, "gen_tokens": s.generation_tokens,
                               "prompt_tokens": s.prompt_tokens, "preemptions": s.preemptions,
-                              "prefix_hits": s.prefix_hits, "prefix_queries": s.prefix_queries}
+                              "prefix_hits": s.prefix_hits, "prefix_queries": s.prefix_queries,
+                              # the busiest tenants first (requests now, then tokens): what a fair strategy shares
+                              "tenants": [list(row) for row in sorted(s.tenants, key=lambda r: (-r[1] - r[2], -r[3],
+                                                                                               r[0]))[:TENANT_ROWS]]}
         if self._kv is not None:
             ev["kv"], self._kv = self._kv, None
         if self._setup_changed:

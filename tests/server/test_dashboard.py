@@ -167,3 +167,43 @@ def test_an_idle_server_still_streams_the_setup_and_the_minute(server):
     server.wait_idle(10)
     events = read_events(server, lambda evs: any("minute" in e for e in evs), timeout=10)
     assert events[0]["kind"] == "setup" and events[0]["model"] == MODEL
+
+
+def test_snapshot_carries_tenant_rows(server):
+    """Per-tenant rows (tenant, running, waiting, tokens generated), the busiest first: while two tenants'
+    requests run they show up with their counts, and once idle each one's tokens equal its per-tenant
+    counter in /metrics."""
+    def run(user: str, n: int) -> list[threading.Thread]:
+        def one(i: int) -> None:
+            httpx.post(server.base_url + "/completions", headers=server.headers(), timeout=60,
+                       json={"model": MODEL, "prompt": f"tenant {user} {i} " * 6, "max_tokens": 16,
+                             "ignore_eos": True, "user": user})
+
+        ts = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+        for t in ts:
+            t.start()
+        return ts
+
+    threads: list[threading.Thread] = []
+
+    def busy(evs: list[dict]) -> bool:
+        rows = [r for e in evs for r in (e.get("snapshot") or {}).get("tenants", [])]
+        return any(r[0] == "dash-a" and r[1] + r[2] for r in rows) and any(r[0] == "dash-b" and r[1] + r[2]
+                                                                           for r in rows)
+    try:
+        events = read_events(server, busy, on_setup=lambda: threads.extend(run("dash-a", 4) + run("dash-b", 2)))
+    finally:
+        for t in threads:
+            t.join(60)
+    assert busy(events)
+    for e in events:
+        rows = (e.get("snapshot") or {}).get("tenants", [])
+        assert all(len(r) == 4 and isinstance(r[0], str) for r in rows)
+        keys = [(-r[1] - r[2], -r[3]) for r in rows]
+        assert keys == sorted(keys), "the busiest tenant first"
+    m = server.wait_idle(10)
+    events = read_events(server, lambda evs: any(e.get("snapshot") for e in evs), timeout=5)
+    rows = {r[0]: r for r in next(e["snapshot"] for e in events if e.get("snapshot"))["tenants"]}
+    for user, n in (("dash-a", 4), ("dash-b", 2)):
+        assert rows[user][1:3] == [0, 0]
+        assert rows[user][3] == m[f"conveyor:tenant_generation_tokens_total{{tenant={user}}}"] == 16 * n
