@@ -161,8 +161,8 @@ class Scheduler:
         """
         pick = victims or (lambda cands: max(cands, key=lambda r: r.arrival_time))
         for req in list(order):
-            if req.status is not Status.RUNNING or not step.has_room():
-                continue
+            if req.status is not Status.RUNNING or not step.has_room() or req.request_id in step.scheduled_ids:
+                continue  # (already in this step: a policy may serve some requests before the rest)
             if not step.lora_fits(req, self.config.max_loras):
                 continue  # --max-loras adapters are in this step already: next step
             want = req.num_remaining_work

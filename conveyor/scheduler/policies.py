@@ -8,7 +8,8 @@
 | iteration  | anyone, by priority with aging        | chunked, one budget  | go first, never stall    |
 | priority   | as iteration; higher priority preempts lower when seats or KV run out (aging bounds it)  |
 | fair       | as iteration; next from the tenant with the least weighted service (Virtual Token Counter); |
-|            | a tenant below its share of seats takes one back from the tenant furthest above its own    |
+|            | a tenant below its share of seats takes one back from the tenant furthest above its own,   |
+|            | and its short prompts go into the budget before running prefill chunks                      |
 | slo        | as iteration; by latest start (TTFT deadline); requests that cannot make theirs last;    |
 |            | prefill chunks cut to keep each step within the tightest running TPOT target              |
 
@@ -359,8 +360,36 @@ class FairPolicy(IterationPolicy):
             seats[u] -= 1
             seats[t] = seats.get(t, 0) + 1
 
+    def serve_under_share_first(self, s: Scheduler, step: Step) -> None:
+        """A tenant below its share of seats gets its waiting (short) prompts into this step before the
+        prefill chunks of the running requests: decodes first as always, then these admissions, then the
+        rest. Otherwise a running long prompt of the noisy tenant, chunked into the whole token budget,
+        would hold the quiet tenant's request back for as many steps as that prompt has chunks, although
+        a seat was free (or was just taken back for it)."""
+        share = self.shares(s)
+        seats: dict[str, int] = {}
+        for r in s.running:
+            seats[r.tenant_id] = seats.get(r.tenant_id, 0) + 1
+        first = []
+        for r in self.order_waiting(s):
+            t = r.tenant_id
+            if (seats.get(t, 0) + 1 <= share[t] and r.num_tokens - r.num_computed_tokens <= self.long_threshold
+                    and len(s.running) + len(first) < s.config.max_num_seqs):
+                first.append(r)
+                seats[t] = seats.get(t, 0) + 1
+        if not first:
+            return
+        before = len(step.preempted)
+        s.schedule_running(step, [r for r in s.running if not r.is_prefill], chunk=True, victims=self.victim)
+        if len(step.preempted) > before:
+            return  # the KV pool is full: iteration's rule (admit nobody) applies
+        for r in first:
+            if not step.has_room() or not s.admit(step, r, chunk=True):
+                break
+
     def schedule(self, s: Scheduler, step: Step) -> None:
         self.preempt_for_share(s, step)
+        self.serve_under_share_first(s, step)
         super().schedule(s, step)
         for it in step.items:  # charge what this step serves
             r = it.request

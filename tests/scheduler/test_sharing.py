@@ -144,6 +144,28 @@ def test_fair_quiet_tenant_starts_at_once_beside_a_backlog(scheduler):
         assert quiet.first_token_time is None
 
 
+@pytest.mark.parametrize("scheduler", ["fair", "iteration"])
+def test_fair_quiet_prompt_goes_before_a_noisy_long_prompt_in_the_budget(scheduler):
+    """The noisy tenant prefills a 600-token prompt in chunks that take the whole 64-token budget, beside two
+    decodes, with a seat free. Under fair the quiet tenant's prompt goes into the very next step ahead of
+    that chunk (first token at once); under iteration it waits for the long prompt's chunks to be done."""
+    h = Harness(scheduler=scheduler, max_num_seqs=4, max_num_batched_tokens=64)
+    for _ in range(2):
+        h.add(prompt_len=8, max_tokens=60, tenant="noisy")
+    h.step()
+    long = h.add(prompt_len=600, max_tokens=4, tenant="noisy")
+    h.step()
+    assert long.num_computed_tokens > 0, "the long prompt is being prefilled"
+    quiet = h.add(prompt_len=8, max_tokens=2, tenant="quiet")
+    h.step()
+    if scheduler == "fair":
+        assert quiet.first_token_time is not None and h.sched.num_preemptions == 0
+        h.run()
+        assert long.finished
+    else:
+        assert quiet.first_token_time is None
+
+
 def test_fair_never_preempts_a_tenant_within_its_share():
     h = Harness(scheduler="fair", max_num_seqs=4)
     for t in ("a", "b", "a", "b"):
