@@ -105,3 +105,26 @@ def test_resident_means_running_even_when_not_yet_in_this_step():
     empty = Step(64, 4)
     got = h.sched.prefer_resident_loras(list(h.sched.waiting), empty)
     assert [r.request_id for r in got] == [order[1].request_id, order[0].request_id]
+
+
+def test_only_the_adapter_closest_to_done_drains_for_an_aged_request():
+    """Two adapter slots held by A (long requests) and B (short ones), C aged in the queue: only B stops
+    admitting newcomers, so it drains first and C takes its slot, while A keeps its batch full."""
+    aging = 2
+    h = lora_harness(max_loras=2, max_num_seqs=8, aging=aging)
+    add(h, "A", max_tokens=40)
+    add(h, "B", max_tokens=6)
+    h.step()
+    c = add(h, "C", max_tokens=2)
+    a_admitted_late = 0
+    for _ in range(30):
+        a, b = add(h, "A", max_tokens=40), add(h, "B", max_tokens=6)
+        step = h.step()
+        if c.request_id in h.ids_in(step):
+            break
+        if c.waited_steps > aging:  # C is aged: B drains, A does not
+            assert b.request_id not in h.ids_in(step)
+            a_admitted_late += a.request_id in h.ids_in(step)
+    else:
+        raise AssertionError("C starved")
+    assert a_admitted_late >= 1
