@@ -107,6 +107,7 @@ class EngineSnapshot:
     # LoRA: sequences per adapter name, running and waiting (vLLM's lora_requests_info)
     lora_running: tuple[tuple[str, int], ...] = ()
     lora_waiting: tuple[tuple[str, int], ...] = ()
+    lora_loaded: tuple[str, ...] = ()  # adapters loaded in the model's layers, least recently used first
 
 
 @dataclass(frozen=True)
@@ -610,7 +611,8 @@ class LLMEngine:
             lora_running=self._lora_counts(self.scheduler.running) if self.runner.lora is not None else (),
             lora_waiting=self._lora_counts([*self.scheduler.waiting, *(r for v in self.scheduler.held.values()
                                                                          for r in v)])
-            if self.runner.lora is not None else ())
+            if self.runner.lora is not None else (),
+            lora_loaded=tuple(r.lora_name for r in self.runner.lora.loaded) if self.runner.lora is not None else ())
 
     def kv_map(self, max_cells: int = 4096) -> KVMap:
         """The KV pool at a glance, for the dashboard: each cell is the most common state of its blocks."""
