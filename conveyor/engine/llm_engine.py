@@ -111,6 +111,7 @@ class EngineSnapshot:
     lora_waiting: tuple[tuple[str, int], ...] = ()
     # per tenant (with requests now, or counted): (tenant, running, waiting, tokens generated since the start)
     tenants: tuple[tuple[str, int, int, int], ...] = ()
+    lora_loaded: tuple[str, ...] = ()  # adapters loaded in the model's layers, least recently used first
 
 
 @dataclass(frozen=True)
@@ -618,6 +619,7 @@ class LLMEngine:
             lora_waiting=self._lora_counts([*self.scheduler.waiting, *(r for v in self.scheduler.held.values()
                                                                          for r in v)])
             if self.runner.lora is not None else (),
+            lora_loaded=tuple(r.lora_name for r in self.runner.lora.loaded) if self.runner.lora is not None else (),
             tenants=self._tenant_rows())
 
     def _tenant_rows(self) -> tuple[tuple[str, int, int, int], ...]:

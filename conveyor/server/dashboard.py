@@ -54,7 +54,7 @@ def dashboard_setup(config, info) -> dict:
     return {"model": info.model_name, "strategy": config.scheduler, "summary": POLICIES[config.scheduler].summary,
             "knobs": knobs,
             "kv_blocks": info.num_kv_blocks, "kv_tokens": info.kv_cache_tokens, "dtype": info.weight_dtype,
-            "kv_dtype": info.kv_cache_dtype}
+            "kv_dtype": info.kv_cache_dtype, **({"max_loras": info.max_loras} if info.max_loras else {})}
 
 
 class _Second:
@@ -225,6 +225,9 @@ class DashboardHub:
                               # the busiest tenants first (requests now, then tokens): what a fair strategy shares
                               "tenants": [list(row) for row in sorted(s.tenants, key=lambda r: (-r[1] - r[2], -r[3],
                                                                                                r[0]))[:TENANT_ROWS]]}
+            if self.setup.get("max_loras"):  # LoRA: who is in the batch, who waits, what is loaded
+                ev["snapshot"]["lora"] = {"running": dict(s.lora_running), "waiting": dict(s.lora_waiting),
+                                          "loaded": list(s.lora_loaded)}
         if self._kv is not None:
             ev["kv"], self._kv = self._kv, None
         if self._setup_changed:
