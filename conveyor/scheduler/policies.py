@@ -367,11 +367,13 @@ class FairPolicy(IterationPolicy):
         would hold the quiet tenant's request back for as many steps as that prompt has chunks, although
         a seat was free (or was just taken back for it)."""
         share = self.shares(s)
+        if len(share) < 2:
+            return  # one tenant: nobody to serve before anybody (iteration's order)
         seats: dict[str, int] = {}
         for r in s.running:
             seats[r.tenant_id] = seats.get(r.tenant_id, 0) + 1
         first = []
-        for r in self.order_waiting(s):
+        for r in s.prefer_resident_loras(self.order_waiting(s), step):
             t = r.tenant_id
             if (seats.get(t, 0) + 1 <= share[t] and r.num_tokens - r.num_computed_tokens <= self.long_threshold
                     and len(s.running) + len(first) < s.config.max_num_seqs):
