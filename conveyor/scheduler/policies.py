@@ -275,6 +275,8 @@ class FairPolicy(IterationPolicy):
       `max_num_seqs` waits, the tenant furthest above its share gives one seat back (its newest
       request is preempted by recompute), so a quiet tenant's request starts at once beside a noisy
       one rather than after one of the noisy tenant's requests finishes;
+    - budget: with two tenants or more, a tenant below its share gets its short waiting prompts into
+      the step right after the decodes, before running prefill chunks (`serve_under_share_first`);
     - counter lift: a tenant that becomes backlogged (arrives, or returns after an idle spell) starts
       at no less than the smallest counter of the tenants already waiting (or, with nobody waiting, of
       the last one to leave the queue), so idle time earns no credit to spend later in a burst.
