@@ -453,11 +453,11 @@ class SloPolicy(IterationPolicy):
     the earliest deadline belongs to a request that will miss it anyway, and serving it first makes the
     one behind it late too, until every request is late.
 
-    - step time: the token budget of a step is cut so that, by the step-cost model (`StepCost`), the step
-      takes at most `tpot_margin` x the tightest TPOT target among the requests decoding now. The cut
-      falls on prefill chunks (decodes go first, as in iteration); every decode still runs, and prefills
-      keep at least `min_prefill_tokens` per step so that they never stall (a target that cannot be kept
-      even so is ignored: see `token_cap`);
+    - step time: the token budget of a step is cut so that, by the step-cost model (`StepCost`), every
+      request decoding now keeps its TPOT (an average: time banked by fast steps may pay for a slow one)
+      within `tpot_margin` x its target. The cut falls on prefill chunks (decodes go first, as in
+      iteration); every decode still runs, and prefills keep at least `min_prefill_tokens` per step so
+      that they never stall (a target that cannot be kept even so is ignored: see `token_cap`);
     - admission: waiting requests are walked in order of their latest start (TTFT deadline minus the time
       their prompt takes), and each one's first token is estimated from the prompt tokens of the requests
       ahead of it. A request whose estimate still meets its deadline is *reachable*: it is admitted first,
@@ -494,14 +494,25 @@ class SloPolicy(IterationPolicy):
         self.last = None
 
     def token_cap(self, s: Scheduler) -> int | None:
-        """The step's token budget under the tightest attainable TPOT target of the requests decoding now
-        (None: no cap). A target that even a step of bare decodes would break is ignored: it is missed
-        whatever the cut, and cutting for it would only starve the prefills (the whole machine slowed
-        down, say), so the next tightest one that can still be kept decides."""
+        """The step's token budget under the TPOT targets of the requests decoding now (None: no cap).
+
+        A TPOT is an average, (last token - first token) / (tokens - 1), so what a step may take is what
+        keeps each such request's average within `tpot_margin` x its target once this step's token is
+        out: `margin x target x k - (now - first token)` for a request with k tokens so far. A request
+        that decoded faster than its target has banked the difference, and a longer step (a bigger
+        prefill chunk) may spend it; one at its limit holds the step to a decode. Capping every step at
+        the target instead cost a third of the throughput on a small model on a CPU, where a step's
+        fixed cost dominates, and overloaded the machine it meant to protect. A request whose limit
+        even a step of bare decodes would break is ignored: it misses its target whatever the cut, and
+        cutting for it would only starve the prefills; the next tightest limit decides."""
+        now = s.clock()
         decoding = [r for r in s.running if not r.is_prefill]
         floor = len(decoding) + self.min_prefill_tokens
-        for tpot in sorted({r.slo_tpot_s for r in decoding if r.slo_tpot_s is not None}):
-            fit = self.cost.tokens_within(self.tpot_margin * tpot)
+        limits = sorted(self.tpot_margin * r.slo_tpot_s * len(r.output_token_ids) - (now - r.first_token_time)
+                        for r in decoding if r.slo_tpot_s is not None and r.first_token_time is not None
+                        and r.output_token_ids)
+        for limit in limits:
+            fit = self.cost.tokens_within(limit)
             if fit is None:
                 return None
             if fit >= floor:
