@@ -107,6 +107,9 @@ def engine_flags() -> list[EngineFlag]:
                    "fp32/bf16), else pure torch; torch: the reference path everywhere",
                    choices=("auto", "kernel", "torch")),
         EngineFlag("threads", "kernels", "torch compute threads (default: one per physical core)", type=int),
+        EngineFlag("packed_linear", "kernels", "CPU: keep the linears' weights in the packed kernels' layout where "
+                   "they apply (--no-packed-linear: torch's own linear, for comparison)",
+                   action=argparse.BooleanOptionalAction),
         EngineFlag("enable_lora", "engine", "serve LoRA adapters of the model (serve --lora-modules; docs/lora.md)",
                    action="store_true"),
         EngineFlag("max_loras", "engine", "most distinct LoRA adapters in one step", type=int),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 def json_object(value: dict | str, what: str) -> dict:
@@ -63,7 +63,7 @@ class EngineConfig:
     max_loras: int = 1  # distinct adapters in one step
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # adapters kept loaded (LRU); None: max_loras
-    extra: dict = field(default_factory=dict)
+    packed_linear: bool = True  # CPU: linears in the packed kernels' layout where they apply (model/packed_linear.py)
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):

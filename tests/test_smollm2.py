@@ -60,7 +60,7 @@ def test_greedy_tokens_match_hf_on_the_same_gguf(smol, hf_smol):
 def smol_reference():
     """The pure-torch path: reference attention, RMSNorm, RoPE, SiLU and plain F.linear."""
     return LLM("smollm2-135m", dtype="float32", num_kv_blocks=64, max_model_len=512,
-               attention_backend="torch", extra={"packed_linear": False})
+               attention_backend="torch", packed_linear=False)
 
 
 # The reference path computes what HF computes, op for op, so its logits agree to the bit (asserted

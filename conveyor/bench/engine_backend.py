@@ -108,7 +108,7 @@ class EngineBackend:
                 rec.output_len += len(d.new_token_ids)
             if d.finished:
                 rec.end = out.time
-                rec.cached_tokens = d.extra.get("num_cached_tokens", 0)
+                rec.cached_tokens = d.num_cached_tokens
                 if d.finish_reason == "abort":
                     rec.error = "aborted"
                 del self._live[d.group_id]

@@ -34,7 +34,7 @@ from conveyor.kv_cache import KVCacheManager
 from conveyor.lora.adapter import LoRASpec
 from conveyor.lora.request import LoRARequest
 from conveyor.model.loader import default_sampling, load_checkpoint
-from conveyor.outputs import StepDelta
+from conveyor.outputs import FinishReason, StepDelta
 from conveyor.pooling import PooledOutput, PoolingParams
 from conveyor.request import Request, sequence_ids
 from conveyor.runner.model_runner import ModelRunner
@@ -272,9 +272,7 @@ class LLMEngine:
         from disk on first use)."""
         self.validate_prompt(prompt_token_ids, params)
         lora_key = self.load_lora(lora_request) if lora_request is not None else None
-        vocab = self.model_config.vocab_size
-        if params.logit_bias and any(t >= vocab for t in params.logit_bias):
-            raise ValueError(f"logit_bias keys must be token ids below the vocabulary size ({vocab})")
+        params.check_vocab(self.model_config.vocab_size)
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if pooling is not None and (params.n != 1 or params.structured_outputs is not None):
@@ -464,20 +462,20 @@ class LLMEngine:
 
     def _finish_pooled(self, p: PooledOutput) -> StepDelta:
         req = self.scheduler.requests[p.request_id]
-        self.scheduler.finish(req, "stop", None)
+        self.scheduler.finish(req, FinishReason.STOP, None)
         delta = make_delta(req, [], "", None)
         delta.embedding = p.embedding
         return delta
 
     def _fail(self, req: Request, exc: BaseException) -> StepDelta:
-        """Finish one request with an error (finish_reason "error", the message in `extra["error"]`) and free
+        """Finish one request with an error (finish_reason ERROR, the message in `StepDelta.error`) and free
         its blocks; the engine and every other request carry on."""
         log.error("request %s failed; it alone is finished: %r", req.request_id, exc, exc_info=exc)
         if not req.finished:
-            self.scheduler.finish(req, "error", None)
+            self.scheduler.finish(req, FinishReason.ERROR, None)
         self.detok.release(req.request_id)
         delta = make_delta(req, [], "", None)
-        delta.extra["error"] = f"{type(exc).__name__}: {exc}"
+        delta.error = f"{type(exc).__name__}: {exc}"
         return delta
 
     def _drop_broken(self, plan: Step, result) -> list[StepDelta]:
@@ -513,20 +511,20 @@ class LLMEngine:
             if req.matcher is not None:
                 tg = time.perf_counter()
                 if self.structured.accept(req, tok) and stop is None:
-                    stop = ("stop", None)  # the grammar is complete
+                    stop = (FinishReason.STOP, None)  # the grammar is complete
                 self._grammar_update_s += time.perf_counter() - tg
             if stop is not None:
                 toks = toks[:j + 1]
                 self.scheduler.finish(req, stop[0], stop[1])
                 break
         if stop is not None and not isinstance(stop[1], str):  # not cut at a stop string: flush held text
-            self.detok.flush(req, drop_last=stop[0] == "stop")
+            self.detok.flush(req, drop_last=stop[0] is FinishReason.STOP)
         if req.request_id in drafts:  # guesses kept, up to where the sequence stopped
             self._record_spec(drafts[req.request_id], len(toks) - 1)
         text = self.detok.take_new_text(req, final=stop is not None)
         delta = make_delta(req, list(toks), text, kept_lps)
         if req.prompt_logprobs is not None and len(req.output_token_ids) == 1:
-            delta.extra["prompt_logprobs"] = list(req.prompt_logprobs)  # with the first token, as vLLM
+            delta.prompt_logprobs = list(req.prompt_logprobs)  # with the first token, as vLLM
         if stop is not None:
             self.detok.release(req.request_id)
         return delta

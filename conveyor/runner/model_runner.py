@@ -112,7 +112,7 @@ class ModelRunner:
             log.info("weights: %s (%d linear layers, %d kept as the checkpoint ships them); %s",
                      config.quantization, counts["quantized"], counts["from_checkpoint"], dense_rows_note(threshold))
         self.packed_linears = 0
-        if config.extra.get("packed_linear", True) and packing_available(self.device, self.dtype):
+        if config.packed_linear and packing_available(self.device, self.dtype):
             self.packed_linears = pack_linears(self.model)
         # every op on the compiled CPU path gives a token a result that depends only on its own request
         # (tests/engine/test_batch_invariance.py); the torch reference path (CUDA, no compiler) does not

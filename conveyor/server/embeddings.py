@@ -19,7 +19,7 @@ from starlette.responses import Response
 from conveyor.pooling import PoolingParams
 from conveyor.sampling_params import SamplingParams
 from conveyor.server import protocol as P
-from conveyor.server.async_engine import EngineDeadError, EngineInput
+from conveyor.server.async_engine import AddRequest, EngineDeadError
 from conveyor.server.serving import ApiError, OpenAIServing, _wait_disconnect, bad_request, parse_model
 
 MAX_INPUTS = 2048  # as OpenAI
@@ -64,7 +64,7 @@ async def create_embeddings(serving: OpenAIServing, data: dict, request: Request
     pooling = PoolingParams(serving.pooling or "last", req.dimensions)
     params = SamplingParams(max_tokens=1, temperature=0.0)  # nothing is sampled: pooled at the prompt's end
     api_id = f"embd-{uuid.uuid4().hex}"
-    sub = serving.submit(api_id, [EngineInput(f"{api_id}-{i}", ids, params, req.priority, pooling=pooling)
+    sub = serving.submit(api_id, [AddRequest(f"{api_id}-{i}", ids, params, req.priority, pooling=pooling)
                                   for i, ids in enumerate(inputs)])
     index = {inp.request_id: i for i, inp in enumerate(sub.inputs)}
     vectors: list[list[float] | None] = [None] * len(inputs)
@@ -72,8 +72,8 @@ async def create_embeddings(serving: OpenAIServing, data: dict, request: Request
 
     async def run() -> None:
         async for d in serving._deltas(sub):
-            if d.extra.get("error"):
-                errors.append(d.extra["error"])
+            if d.error:
+                errors.append(d.error)
             if d.embedding is not None:
                 vectors[index[d.group_id]] = d.embedding
 

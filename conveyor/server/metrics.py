@@ -25,6 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from conveyor.engine.llm_engine import EngineInfo
+from conveyor.outputs import FinishReason
 from conveyor.scheduler.policies import POLICIES
 
 disable_created_metrics()  # no `_created` series, as in vLLM: they double the output for nothing
@@ -228,7 +229,7 @@ class ServerMetrics:
         self.lora_requests = Counter("conveyor:lora_requests", "Requests received per LoRA adapter.",
                                      labels + ["lora_name"], registry=self.registry)
         # Pre-create the common label sets so they show up (as 0) before the first request.
-        for reason in ("stop", "length", "abort"):
+        for reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT):
             self.request_success.labels(model_name, reason)
         for mode in ("auto", "required", "named"):
             self.tool_call_responses.labels(model_name, mode)
