@@ -38,6 +38,7 @@ from conveyor.outputs import FinishReason, StepDelta
 from conveyor.pooling import PooledOutput, PoolingParams
 from conveyor.request import Request, sequence_ids
 from conveyor.runner.model_runner import ModelRunner
+from conveyor.runner.sampler import SampleResult
 from conveyor.sampling_params import SamplingParams
 from conveyor.scheduler.core import Scheduler, Step
 from conveyor.scheduler.policies import POLICIES, coerce_options, make_policy
@@ -421,7 +422,7 @@ class LLMEngine:
         if lora is not None and (self.lora_to_remove or len(lora.adapters) > lora.max_cpu_loras):
             self._reap_loras()
         t3 = time.perf_counter()
-        prepare, forward, lm_head, sample = self.runner.last_phases
+        prepare, forward, lm_head, sample = result.phases
         phases = {"schedule": t1 - t0, "grammar": tg - t1 + self._grammar_update_s, "prepare": prepare,
                   "forward": forward, "lm_head": lm_head, "sample": sample,
                   "update": t3 - t2 - self._grammar_update_s + max(t2 - tg - prepare - forward - lm_head - sample, 0.0)}
@@ -430,25 +431,23 @@ class LLMEngine:
         stats = self._stats(plan, start, phases, prefill) if plan.items else None
         return StepOutput(deltas, stats)
 
-    def _update(self, plan: Step, result) -> list[StepDelta]:
+    def _update(self, plan: Step, result: SampleResult) -> list[StepDelta]:
         self._grammar_update_s = 0.0  # time spent advancing grammar matchers (a "grammar" phase cost)
-        token_ids = result.token_ids if result else []
-        if self.runner.last_prompt_logprobs:  # prompt logprobs computed this step (rarely any)
+        if result.prompt_logprobs:  # prompt logprobs computed this step (rarely any)
             for it in plan.items:
-                entries = self.runner.last_prompt_logprobs.get(it.request.request_id)
+                entries = result.prompt_logprobs.get(it.request.request_id)
                 if entries:
                     it.request.prompt_logprobs.extend(entries)
         deltas = []
-        if result is not None and result.bad:  # non-finite logits: those requests fail, the batch goes on
+        if result.bad:  # non-finite logits: those requests fail, the batch goes on
             deltas += self._drop_broken(plan, result)
-            token_ids = result.token_ids
-        sampled = self.scheduler.update(plan, token_ids)
-        for p in result.pooled if result is not None else ():  # embeddings: done, blocks freed now
+        sampled = self.scheduler.update(plan, result.token_ids)
+        for p in result.pooled:  # embeddings: done, blocks freed now
             if p.request_id in self.scheduler.requests:
                 deltas.append(self._finish_pooled(p))
         self.total_prompt_tokens += sum(len(r.prompt_token_ids) for r in plan.admitted if r.num_preemptions == 0)
-        lp_iter = iter(result.logprobs if result else [])
-        sp_iter = iter(result.sampled_logprobs if result else [])
+        lp_iter = iter(result.logprobs)
+        sp_iter = iter(result.sampled_logprobs)
         drafts = {it.request.request_id: it.num_draft for it in plan.items if it.num_draft}
         for req, toks in sampled:
             lps, slps = next(lp_iter), next(sp_iter)
@@ -478,7 +477,7 @@ class LLMEngine:
         delta.error = f"{type(exc).__name__}: {exc}"
         return delta
 
-    def _drop_broken(self, plan: Step, result) -> list[StepDelta]:
+    def _drop_broken(self, plan: Step, result: SampleResult) -> list[StepDelta]:
         """Take the items whose logits were not finite out of the step before it is committed (so
         nothing they computed this step is counted or cached) and fail their requests."""
         broken = set(result.bad)
@@ -494,27 +493,30 @@ class LLMEngine:
                 for it in dead]
 
     def _emit(self, req: Request, toks: list[int], lps: list, slps: list, drafts: dict[str, int]) -> StepDelta:
-        """Add one request's new tokens one at a time (text, stop checks, grammar), and return its delta."""
-        # the scheduler appended every new token; take them back and add them one at a time, so that
-        # stop checks (max_tokens, EOS, stop strings) see each prefix and the first stop wins
-        del req.output_token_ids[len(req.output_token_ids) - len(toks):]
+        """Read one request's new tokens one at a time (text, stop checks, grammar), and return its delta.
+
+        The scheduler committed them (`Scheduler.update`: the sequence's tokens have one owner); the stop
+        checks (max_tokens, EOS, stop strings) see each prefix in turn, and the first stop wins: a
+        sequence that stops before its last new token (speculative decoding) drops the tokens after it."""
         stop, kept_lps = None, []
+        base = len(req.output_token_ids) - len(toks)  # output tokens before this step's
         for j, tok in enumerate(toks):
-            req.output_token_ids.append(tok)
             if lps[j] is not None:
                 req.logprobs.append(lps[j])
                 req.cumulative_logprob += slps[j]
                 kept_lps.append(lps[j])
             self.total_generation_tokens += 1
             piece = self.detok.decode_token(req, tok)
-            stop = apply_stop(req, tok, piece, self.max_model_len)
+            stop = apply_stop(req, tok, piece, self.max_model_len, base + j + 1)
             if req.matcher is not None:
                 tg = time.perf_counter()
                 if self.structured.accept(req, tok) and stop is None:
                     stop = (FinishReason.STOP, None)  # the grammar is complete
                 self._grammar_update_s += time.perf_counter() - tg
             if stop is not None:
-                toks = toks[:j + 1]
+                if j + 1 < len(toks):  # stopped within the step's tokens: the rest were never output
+                    toks = toks[:j + 1]
+                    del req.output_token_ids[base + j + 1:]
                 self.scheduler.finish(req, stop[0], stop[1])
                 break
         if stop is not None and not isinstance(stop[1], str):  # not cut at a stop string: flush held text

@@ -69,10 +69,13 @@ class Detokenizer:
 StopDecision = tuple[FinishReason, int | str | None]  # (finish_reason, stop_reason)
 
 
-def check_stop(req: Request, token: int, new_text: str, max_model_len: int) -> StopDecision | None:
-    """(finish_reason, stop_reason) if `req` is done after `token`, else None. Truncates text at a stop string."""
+def check_stop(req: Request, token: int, new_text: str, max_model_len: int,
+               n_out: int | None = None) -> StopDecision | None:
+    """(finish_reason, stop_reason) if `req` is done after `token`, its `n_out`-th output token (default:
+    its last), else None. Truncates text at a stop string."""
     p = req.params
-    n_out = len(req.output_token_ids)
+    if n_out is None:
+        n_out = len(req.output_token_ids)
     if n_out >= p.min_tokens:
         if not p.ignore_eos and token in req.eos_token_ids:
             return FinishReason.STOP, None
@@ -93,17 +96,18 @@ def check_stop(req: Request, token: int, new_text: str, max_model_len: int) -> S
                 return FinishReason.STOP, s
     if n_out >= req.max_tokens:
         return FinishReason.LENGTH, None
-    if req.num_tokens >= max_model_len:
+    if len(req.prompt_token_ids) + n_out >= max_model_len:
         return FinishReason.LENGTH, None
     return None
 
 
-def apply_stop(req: Request, token: int, piece: str, max_model_len: int) -> StopDecision | None:
-    """Append `token`'s text to the output and decide whether `req` stops: (finish_reason,
-    stop_reason) or None. Trims a stop string (unless it is to be included) and, as vLLM does, the
-    text of a stop token (EOS or `stop_token_ids`)."""
+def apply_stop(req: Request, token: int, piece: str, max_model_len: int,
+               n_out: int | None = None) -> StopDecision | None:
+    """Append `token`'s text (`req`'s `n_out`-th output token, default: its last) to the output and decide
+    whether `req` stops: (finish_reason, stop_reason) or None. Trims a stop string (unless it is to be
+    included) and, as vLLM does, the text of a stop token (EOS or `stop_token_ids`)."""
     req.output_text += piece
-    stop = check_stop(req, token, piece, max_model_len)
+    stop = check_stop(req, token, piece, max_model_len, n_out)
     if stop is not None and stop[0] is FinishReason.STOP and not isinstance(stop[1], str) and piece \
             and not req.params.include_stop_str_in_output:
         req.output_text = req.output_text[: len(req.output_text) - len(piece)]

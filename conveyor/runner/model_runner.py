@@ -137,10 +137,6 @@ class ModelRunner:
         self.kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else self.dtype
         self._pool_buffers: list[mmap.mmap] = []
         self.allocate_kv_cache(config)
-        # seconds of the last execute() in (prepare inputs, model forward, LM head, sampling); on CUDA the
-        # forward is asynchronous, so its time lands in sampling, which waits for it
-        self.last_phases: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
-        self.last_prompt_logprobs: dict[str, list[dict[int, float]]] = {}  # of the last execute()
 
     def kv_pool_key(self, config: EngineConfig) -> tuple:
         """What the pool's size and layout depend on: the lab compares it to decide whether a new
@@ -346,18 +342,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, items: list[ScheduledItem], block_tables: list[list[int]],
-                copies: list[tuple[int, int]] = (), grammar: GrammarMask | None = None) -> SampleResult | None:
+                copies: list[tuple[int, int]] = (), grammar: GrammarMask | None = None) -> SampleResult:
         """Run one step. Returns a sample for each item whose pending tokens are now all computed
-        (`grammar` masks the rows, in that order, whose output has a grammar)."""
+        (`grammar` masks the rows, in that order, whose output has a grammar), with the step's phase
+        times and any prompt logprobs it computed."""
         t0 = time.perf_counter()
-        self.last_prompt_logprobs = {}
         for src, dst in copies:  # copy-on-write of shared, partly filled blocks
             for cache in self.kv_caches:
                 for t in cache:
                     t[dst].copy_(t[src])
         if not items:
-            self.last_phases = (time.perf_counter() - t0, 0.0, 0.0, 0.0)
-            return None
+            return SampleResult([], [], [], phases=(time.perf_counter() - t0, 0.0, 0.0, 0.0))
         ids: list[int] = []
         positions: list[int] = []
         query_lens, context_lens = [], []
@@ -385,8 +380,8 @@ class ModelRunner:
         hidden = self.model(input_ids, pos, self.kv_caches, meta)
         if self.lora is not None:
             self.lora.clear_batch()
-        if any(it.request.prompt_logprobs is not None for it in items):
-            self.last_prompt_logprobs = self._prompt_logprobs(items, query_lens, hidden)
+        prompt_lps = (self._prompt_logprobs(items, query_lens, hidden)
+                      if any(it.request.prompt_logprobs is not None for it in items) else {})
         pooled = pool_step(items, query_lens, hidden) if any(it.request.pooling for it in items) else []
         t2 = time.perf_counter()
         rows, reqs, positions, end = [], [], [], 0
@@ -398,13 +393,14 @@ class ModelRunner:
                     reqs.append(it.request)
                     positions.append(len(it.request.output_token_ids) + j)
         if not rows:
-            self.last_phases = (t1 - t0, time.perf_counter() - t1, 0.0, 0.0)
-            return SampleResult([], [], [], pooled=pooled)
+            return SampleResult([], [], [], pooled=pooled, phases=(t1 - t0, time.perf_counter() - t1, 0.0, 0.0),
+                                prompt_logprobs=prompt_lps)
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=dev)])
         t3 = time.perf_counter()
         result = verify(sample(logits, reqs, grammar, positions), items)
         result.pooled = pooled
-        self.last_phases = (t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
+        result.prompt_logprobs = prompt_lps
+        result.phases = (t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
         return result
 
 
