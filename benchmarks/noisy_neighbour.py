@@ -237,7 +237,7 @@ def main() -> int:
     args = ap.parse_args()
     SIZES.update(prompt_words=args.prompt_words, output_tokens=args.output_tokens,
                  quiet_output_tokens=args.quiet_output_tokens)
-    from conveyor.bench.compare import cpu_name
+    from conveyor.kernels.variants import cpu_name
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)

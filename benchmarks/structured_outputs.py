@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 
 from conveyor import LLM, SamplingParams, StructuredOutputsParams
+from conveyor.kernels.variants import cpu_name
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 40},
@@ -27,13 +27,6 @@ SCHEMA = {"type": "object", "properties": {
     "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 4},
     "employed": {"type": "boolean"}},
     "required": ["name", "age", "city", "hobbies", "employed"], "additionalProperties": False}
-
-
-def cpu_model() -> str:
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def run(llm: LLM, batch: int, structured: int, max_tokens: int) -> dict:
@@ -90,7 +83,7 @@ def main() -> None:
         print(f"{name}: {summary[name]['tok_s'] / base:.3f}x the throughput of none")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"cpu": cpu_model(), "args": vars(args), "engine": {
+            json.dump({"cpu": cpu_name(), "args": vars(args), "engine": {
                 "dtype": llm.engine.info.dtype, "weights": llm.engine.info.weight_dtype},
                 "summary": summary, "runs": results}, f, indent=1)
 

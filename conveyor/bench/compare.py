@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import platform
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -27,6 +26,7 @@ from conveyor.bench.stats import FlopModel, measure_peak_flops
 from conveyor.bench.workloads import WorkloadSpec, generate
 from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
+from conveyor.kernels.variants import cpu_name
 from conveyor.sampling_params import SamplingParams
 from conveyor.scheduler.policies import POLICIES, default_strategies, no_batching_base, policy_options
 
@@ -132,17 +132,6 @@ def run_compare(engine: LLMEngine, base: EngineConfig, spec: CompareSpec, progre
         },
         runs=runs,
     )
-
-
-def cpu_name() -> str:
-    """The CPU model as /proc/cpuinfo names it (platform.processor() is empty on Linux)."""
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def set_peak(res: RunResult, peak: float) -> None:

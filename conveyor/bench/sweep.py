@@ -26,7 +26,7 @@ from pathlib import Path
 
 import psutil
 
-from conveyor.bench.compare import cpu_name, set_peak, warm_up
+from conveyor.bench.compare import set_peak, warm_up
 from conveyor.bench.engine_backend import EngineBackend, run_on_this_thread
 from conveyor.bench.loadgen import LoadPattern
 from conveyor.bench.run import run_once
@@ -34,6 +34,7 @@ from conveyor.bench.stats import FlopModel, measure_peak_flops, measure_read_ban
 from conveyor.bench.workloads import WorkloadSpec, generate
 from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
+from conveyor.kernels.variants import cpu_name
 
 log = logging.getLogger("conveyor.bench")
 

@@ -24,6 +24,7 @@ import torch
 from conveyor import startup
 from conveyor.config import EngineConfig
 from conveyor.engine.structured_output import GrammarMask
+from conveyor.kernels.variants import cpu_info
 from conveyor.model.attention import KV_SCALE_DTYPE, build_metadata, cache_shapes, choose_backend, scale_shape
 from conveyor.model.llama import LlamaModel, ModelConfig, rope_inv_freq
 from conveyor.model.packed_linear import PackedLinear, pack_linears, packing_available
@@ -46,11 +47,7 @@ CPU_DEFAULT_KV_CAP_GIB = 4.0
 
 def cpu_has_fast_bf16() -> bool:
     """AVX512-BF16 or AMX: bf16 matmuls beat fp32 there; elsewhere bf16 on a CPU is emulated and slow."""
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return cpu_info().has_fast_bf16
 
 
 def set_cpu_threads(threads: int | None) -> None:
