@@ -41,7 +41,7 @@ from conveyor.runner.model_runner import ModelRunner
 from conveyor.runner.sampler import SampleResult
 from conveyor.sampling_params import SamplingParams
 from conveyor.scheduler.core import Scheduler, Step
-from conveyor.scheduler.policies import POLICIES, coerce_options, make_policy
+from conveyor.scheduler.policies import POLICIES, check_scheduler, coerce_options, make_policy
 
 log = logging.getLogger("conveyor.engine")
 
@@ -163,6 +163,7 @@ def validate_prompt(token_ids: list[int], info: EngineInfo) -> None:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        check_scheduler(config.scheduler)  # before the weights load: a bad name fails at once
         self.config = config
         t0 = time.perf_counter()
         startup.phase(startup.LOADING_WEIGHTS, config.model)

@@ -22,8 +22,7 @@ import psutil
 import torch
 
 from conveyor import startup
-from conveyor.config import EngineConfig
-from conveyor.engine.structured_output import GrammarMask
+from conveyor.config import DTYPES, EngineConfig
 from conveyor.kernels.variants import cpu_info
 from conveyor.model.attention import KV_SCALE_DTYPE, build_metadata, cache_shapes, choose_backend, scale_shape
 from conveyor.model.llama import LlamaModel, ModelConfig, rope_inv_freq
@@ -37,11 +36,12 @@ from conveyor.model.quantization import (
 )
 from conveyor.pooling import pool_step
 from conveyor.request import ScheduledItem
+from conveyor.runner.grammar_mask import GrammarMask
 from conveyor.runner.sampler import SampleResult, sample
 
 log = logging.getLogger("conveyor.runner")
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_DTYPES = {name: getattr(torch, name) for name in DTYPES if name != "auto"}
 CPU_DEFAULT_KV_CAP_GIB = 4.0
 
 

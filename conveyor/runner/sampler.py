@@ -28,8 +28,8 @@ from conveyor import kernels
 from conveyor.request import Request
 
 if TYPE_CHECKING:
-    from conveyor.engine.structured_output import GrammarMask
     from conveyor.pooling import PooledOutput
+    from conveyor.runner.grammar_mask import GrammarMask
 
 
 @dataclass

@@ -373,7 +373,7 @@ def run_replicated_server(args: argparse.Namespace) -> int:
         raise ValueError("--replicas > 1 needs Ray Serve: pip install 'conveyor[ray]'") from None
     import uvicorn
 
-    from conveyor.cli import engine_config_from_args
+    from conveyor.engine.args import engine_config_from_args
     from conveyor.scaleout.replica import EngineReplica
 
     if args.replicas < 1:
@@ -384,7 +384,7 @@ def run_replicated_server(args: argparse.Namespace) -> int:
         logging.getLogger("conveyor").setLevel(logging.INFO)
     # replicas on one node size their pools from the same free memory at once: committing them all at
     # startup could turn that overcommit into an OOM, so they stay lazy unless asked
-    cfg = engine_config_from_args(args, populate_default=False, served_model_name=args.served_model_name)
+    cfg = engine_config_from_args(args, served_model_name=args.served_model_name)
     if cfg.threads is None and args.device != "cuda":
         cfg.threads = max(1, int(args.replica_cpus))
     sargs = ServerArgs.from_namespace(args)

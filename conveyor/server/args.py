@@ -80,11 +80,6 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--metrics-max-tenants", type=int, default=16,
                    help="tenants that get series of their own in the per-tenant /metrics (the first ones seen); "
                         "later tenants are counted under tenant=\"other\" (default: 16)")
-    g.add_argument("--slo-ttft-ms", type=float, default=None,
-                   help="time-to-first-token target of requests that bring none (the slo_ttft_ms request field); "
-                        "deadline-aware strategies and the per-tenant metrics read it (default: none)")
-    g.add_argument("--slo-tpot-ms", type=float, default=None,
-                   help="time-per-output-token target of requests that bring none (slo_tpot_ms) (default: none)")
     g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help="LoRA adapters (PEFT directories) to serve, each as name=path or vLLM's JSON "
                         '\'{"name": ..., "path": ...}\'; a request\'s "model" picks one (needs --enable-lora)')

@@ -9,7 +9,7 @@ import errno
 import psutil
 
 from conveyor import LLM, SamplingParams
-from conveyor.cli import add_engine_args, engine_config_from_args
+from conveyor.engine.args import add_engine_args, engine_config_from_args
 
 POOL_GIB = 0.25
 
@@ -74,7 +74,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def test_cli_default_depends_on_the_command():
-    assert engine_config_from_args(parse([]), populate_default=True).kv_cache_populate is True
+    assert engine_config_from_args(parse([]), {"kv_cache_populate": True}).kv_cache_populate is True
     assert engine_config_from_args(parse([])).kv_cache_populate is False
-    assert engine_config_from_args(parse(["--no-kv-cache-populate"]), populate_default=True).kv_cache_populate is False
+    populate = {"kv_cache_populate": True}
+    assert engine_config_from_args(parse(["--no-kv-cache-populate"]), populate).kv_cache_populate is False
     assert engine_config_from_args(parse(["--kv-cache-populate"])).kv_cache_populate is True
