@@ -32,7 +32,7 @@ SCHEMA = {"type": "object", "properties": {
 def run(llm: LLM, batch: int, structured: int, max_tokens: int) -> dict:
     eng = llm.engine
     eng.phase_seconds = dict.fromkeys(eng.phase_seconds, 0.0)
-    steps0 = eng.scheduler.step_count
+    steps0 = eng.snapshot().steps
     so = StructuredOutputsParams(json=SCHEMA)
     convs = [[{"role": "user", "content": f"Describe person number {i} (name, age, city, hobbies, employed) "
                                           f"as JSON."}] for i in range(batch)]
@@ -42,7 +42,7 @@ def run(llm: LLM, batch: int, structured: int, max_tokens: int) -> dict:
     outs = llm.chat(convs, params, use_tqdm=False)
     elapsed = time.perf_counter() - t
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    steps = eng.scheduler.step_count - steps0
+    steps = eng.snapshot().steps - steps0
     ph = eng.phase_seconds
     valid = 0
     for o in outs[:structured]:

@@ -106,7 +106,7 @@ def test_engine_is_empty_after_generate(llm):
     llm.generate(["one", "two", "three"], greedy(4), use_tqdm=False)
     eng = llm.engine
     assert not eng.has_unfinished_requests()
-    assert eng.kv.pool.num_free == eng.kv.num_blocks
+    assert eng.snapshot().kv_blocks_used == 0
 
 
 # --- validation ---------------------------------------------------------------------------------------

@@ -80,7 +80,7 @@ def test_prefill_logits_match_hf(path, atol, request, hf_smol):
     with torch.inference_mode():
         hidden = runner.model(torch.tensor(ids), torch.arange(len(ids)), runner.kv_caches, meta)
         got = runner.model.compute_logits(hidden)
-    llm.engine.kv.pool.reset_cache()
+    llm.engine.reset_prefix_cache()
     torch.testing.assert_close(got, hf_logits(hf_smol, ids), atol=atol, rtol=0)
 
 
@@ -99,7 +99,7 @@ def test_outputs_do_not_change_in_a_crowd(monkeypatch):
 
     eng = LLMEngine(EngineConfig(model="smollm2-135m", max_model_len=1024, kv_cache_memory=1.0,
                                  max_num_batched_tokens=512))
-    if not eng.runner.batch_invariant:
+    if not eng.info.batch_invariant:
         pytest.skip("the engine reports batch-invariant outputs: no, on this CPU")
     rng = random.Random(5)
     probes = {f"probe{i}": [rng.randrange(100, 49000) for _ in range(rng.randrange(20, 200))] for i in range(8)}
@@ -119,7 +119,7 @@ def test_outputs_do_not_change_in_a_crowd(monkeypatch):
         alone.update(run(eng, {rid: ids}, {}, False, {}))
     alone_top1 = {rid: list(seen[rid]) for rid in probes}
     seen.clear()
-    eng.kv.pool.reset_cache()
+    eng.reset_prefix_cache()
     crowded = run(eng, probes, crowd, False, {})
     for rid in probes:
         assert crowded[rid] == alone[rid], rid

@@ -257,7 +257,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         config = lab_engine_config(args)
         engine = LLMEngine(config)
         backend, cfg, max_len = EngineBackend(engine), engine.model_config, engine.max_model_len
-        dtype, device, pid = engine.runner.dtype, engine.runner.device, None
+        dtype, device, pid = engine.info.torch_dtype, engine.info.torch_device, None
         meta["strategy"] = config.scheduler
     else:
         from conveyor.bench.http_backend import HttpBackend, find_listening_pid

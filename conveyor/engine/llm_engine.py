@@ -108,6 +108,7 @@ class EngineSnapshot:
     # LoRA: sequences per adapter name, running and waiting (vLLM's lora_requests_info)
     lora_running: tuple[tuple[str, int], ...] = ()
     lora_waiting: tuple[tuple[str, int], ...] = ()
+    steps: int = 0  # steps the scheduler has planned on this engine (since the last `reset`)
 
 
 @dataclass(frozen=True)
@@ -142,10 +143,19 @@ class EngineInfo:
     hidden_size: int = 0  # the width of an embedding (/v1/embeddings `dimensions` may not exceed it)
     lora: LoRASpec | None = None  # what adapters must fit, when LoRA is enabled (checked on the HTTP side)
     max_loras: int = 0  # distinct adapters per step (0: LoRA off)
+    weight_bytes: int = 0  # the model's parameters and buffers: what every step reads once (the lab's MBU)
 
     @property
     def kv_cache_tokens(self) -> int:
         return self.num_kv_blocks * self.block_size
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
 
 
 def validate_prompt(token_ids: list[int], info: EngineInfo) -> None:
@@ -215,7 +225,8 @@ class LLMEngine:
             batch_invariant=r.batch_invariant, attention_backend=r.attention_backend,
             default_sampling=default_sampling(config.model, config.generation_config),
             hidden_size=ckpt.config.hidden_size,
-            lora=r.lora.spec if r.lora is not None else None, max_loras=config.max_loras if r.lora is not None else 0)
+            lora=r.lora.spec if r.lora is not None else None, max_loras=config.max_loras if r.lora is not None else 0,
+            weight_bytes=r.weight_bytes)
         self.lora_to_remove: set[int] = set()  # unloaded while requests still ran under them
         if self.info.default_sampling:
             log.info("sampling defaults for requests that set none (--generation-config %s): %s",
@@ -611,7 +622,16 @@ class LLMEngine:
             lora_running=self._lora_counts(self.scheduler.running) if self.runner.lora is not None else (),
             lora_waiting=self._lora_counts([*self.scheduler.waiting, *(r for v in self.scheduler.held.values()
                                                                          for r in v)])
-            if self.runner.lora is not None else ())
+            if self.runner.lora is not None else (),
+            steps=self.scheduler.step_count)
+
+    def activation_headroom(self, config: EngineConfig) -> int:
+        """Bytes a step's activations may take at most under `config` (kept out of the KV budget)."""
+        return self.runner.activation_headroom(config)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block that no request holds (a cold start for tests and benchmarks)."""
+        self.kv.pool.reset_cache()
 
     def kv_map(self, max_cells: int = 4096) -> KVMap:
         """The KV pool at a glance, for the dashboard: each cell is the most common state of its blocks."""

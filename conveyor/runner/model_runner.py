@@ -135,6 +135,12 @@ class ModelRunner:
         self._pool_buffers: list[mmap.mmap] = []
         self.allocate_kv_cache(config)
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the model's parameters and buffers (packed or quantized as they are now)."""
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def kv_pool_key(self, config: EngineConfig) -> tuple:
         """What the pool's size and layout depend on: the lab compares it to decide whether a new
         configuration needs a new pool."""

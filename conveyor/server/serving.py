@@ -129,7 +129,7 @@ class SSEResponse(StreamingResponse):
 _UNICODE_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
-def _sse(obj: BaseModel | dict) -> str:
+def sse_event(obj: BaseModel | dict) -> str:
     body = obj.model_dump_json(exclude_unset=False) if isinstance(obj, BaseModel) else json.dumps(obj)
     return f"data: {body.translate(_UNICODE_LINE_BREAKS)}\n\n"
 
@@ -473,7 +473,7 @@ class OpenAIServing:
 
         def chunk(choice: P.CompletionChoice) -> str:
             c = P.CompletionChunk(id=sub.api_id, created=created, model=model, choices=[choice])
-            return _sse(c)
+            return sse_event(c)
 
         try:
             if req.echo:
@@ -501,7 +501,7 @@ class OpenAIServing:
                                                prompt_logprobs=self._vllm_prompt_logprobs(prompt_lps)))
             if include_usage:
                 usage = _usage(sum(len(ids) for _, ids in prompts), completion_tokens, cached)
-                yield _sse(P.CompletionChunk(id=sub.api_id, created=created, model=model, choices=[], usage=usage))
+                yield sse_event(P.CompletionChunk(id=sub.api_id, created=created, model=model, choices=[], usage=usage))
         except (TimeoutError, asyncio.TimeoutError):  # --request-timeout: abort (finally) and say so in-band
             yield f"data: {json.dumps(self._timeout_error().body())}\n\n"
         except Exception as e:  # the engine died mid-stream: tell the client in-band
@@ -646,7 +646,7 @@ class OpenAIServing:
         completion_tokens = cached = 0
 
         def chunk(choice: P.ChatStreamChoice) -> str:
-            return _sse(P.ChatCompletionChunk(id=sub.api_id, created=created, model=model, choices=[choice]))
+            return sse_event(P.ChatCompletionChunk(id=sub.api_id, created=created, model=model, choices=[choice]))
 
         try:
             for j in range(req.n):
@@ -681,7 +681,7 @@ class OpenAIServing:
                                                finish_reason=reason, stop_reason=d.stop_reason))
             if include_usage:
                 usage = _usage(num_prompt, completion_tokens, cached)
-                yield _sse(P.ChatCompletionChunk(id=sub.api_id, created=created, model=model, choices=[],
+                yield sse_event(P.ChatCompletionChunk(id=sub.api_id, created=created, model=model, choices=[],
                                                  usage=usage))
         except (TimeoutError, asyncio.TimeoutError):
             yield f"data: {json.dumps(self._timeout_error().body())}\n\n"

@@ -118,12 +118,12 @@ def prompts(vocab: int) -> list[list[int]]:
 
 def test_permutation_roundtrip_is_not_identity():
     """Guard for the test itself: the permutation must move rows, and the loader must undo it."""
-    from conveyor.model.loader import _unpermute
+    from conveyor.model.loader import unpermute
 
     w = np.arange(8 * 16 * 3, dtype=np.float32).reshape(8 * 16, 3)
     p = llama_cpp_permute(w, 8)
     assert not np.array_equal(p, w)
-    np.testing.assert_array_equal(_unpermute(p, 8), w)
+    np.testing.assert_array_equal(unpermute(p, 8), w)
 
 
 def test_gguf_greedy_matches_hf(tiny_gguf, hf_tiny):

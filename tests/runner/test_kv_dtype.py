@@ -39,10 +39,10 @@ def test_int8_cache_sharing_and_preemption_change_nothing(model_dir, backend):
     llm.generate([prompt], sp, use_tqdm=False)  # fills the prefix cache
     out = llm.generate([prompt], SamplingParams(n=3, max_tokens=24, temperature=0, ignore_eos=True),
                        use_tqdm=False)[0]
-    assert llm.engine.kv.prefix_hits > 0
+    assert llm.engine.snapshot().prefix_hits > 0
     assert [c.token_ids for c in out.outputs] == [want] * 3
     small = LLM(str(model_dir), kv_cache_dtype="int8", attention_backend=backend, num_kv_blocks=12,
                 max_model_len=128, enable_prefix_caching=False)
     outs = small.generate([prompt] * 4, sp, use_tqdm=False)
-    assert small.engine.scheduler.num_preemptions > 0
+    assert small.engine.snapshot().preemptions > 0
     assert all(o.outputs[0].token_ids == want for o in outs)

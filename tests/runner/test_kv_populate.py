@@ -27,7 +27,7 @@ def test_populated_pool_is_resident_and_lazy_one_is_not(tiny_llama):
     before = rss()
     lazy = make(tiny_llama, False)
     lazy_growth = rss() - before
-    pool = lazy.engine.runner.num_blocks * lazy.engine.runner.bytes_per_block
+    pool = lazy.engine.info.num_kv_blocks * lazy.engine.info.bytes_per_block
     assert pool > 0.2 * 2**30
     before = rss()
     eager = make(tiny_llama, True)
@@ -50,7 +50,7 @@ def test_without_madvise_populate_the_pool_is_written_with_zeros(tiny_llama, mon
     monkeypatch.setattr(model_runner, "_madvise_populate", lambda t: errno.EINVAL)
     before = rss()
     llm = make(tiny_llama, True)
-    pool = llm.engine.runner.num_blocks * llm.engine.runner.bytes_per_block
+    pool = llm.engine.info.num_kv_blocks * llm.engine.info.bytes_per_block
     assert rss() - before > 0.9 * pool
     out = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
@@ -62,7 +62,7 @@ def test_out_of_memory_leaves_the_pool_lazy(tiny_llama, monkeypatch, caplog):
     monkeypatch.setattr(model_runner, "_madvise_populate", lambda t: errno.ENOMEM)
     before = rss()
     llm = make(tiny_llama, True)
-    pool = llm.engine.runner.num_blocks * llm.engine.runner.bytes_per_block
+    pool = llm.engine.info.num_kv_blocks * llm.engine.info.bytes_per_block
     assert rss() - before < 0.5 * pool
     assert "stays lazy" in caplog.text
 
