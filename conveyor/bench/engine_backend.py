@@ -92,7 +92,8 @@ class EngineBackend:
     def _on_output(self, out: LoopOutput) -> None:
         if out.snapshot is not None:
             self._last_snapshot = out.snapshot
-        for rid, message in out.failed:
+        for failed in out.failed:
+            rid, message = failed.request_id, failed.message
             live = self._live.pop(rid, None)
             if live is not None:
                 self._resolve(live[1], exc=ValueError(message))

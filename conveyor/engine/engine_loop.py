@@ -113,13 +113,21 @@ class Stop:
 Command = AddRequest | AbortRequest | EndInput | SnapshotKV | SetScheduler | Stop | UnloadLoRA
 
 
+@dataclass(frozen=True)
+class FailedAdd:
+    """An `AddRequest` the engine refused (validated by the caller first, so a bug or a race)."""
+
+    request_id: str
+    message: str  # "TypeName: message"
+
+
 @dataclass
 class LoopOutput:
     deltas: list[StepDelta]
     stats: StepStats | None  # the step's, if one ran
     snapshot: EngineSnapshot
     time: float  # time.monotonic() when the step returned: when its tokens exist
-    failed: list[tuple[str, str]] = field(default_factory=list)  # adds refused: (request_id, message)
+    failed: list[FailedAdd] = field(default_factory=list)  # adds refused
     added: int = 0  # sequences whose add command the engine took in (counted for queue limits)
     error: str | None = None  # the engine died with this; nothing more will come
     final: bool = False  # the loop has ended
@@ -173,7 +181,7 @@ class EngineLoop:
                               tenant=cmd.tenant, slo_ttft_s=cmd.slo_ttft_s, slo_tpot_s=cmd.slo_tpot_s,
                               lora_request=cmd.lora_request)
             except Exception as exc:  # validated by the caller, so a bug or a race: keep the engine alive
-                out.failed.append((cmd.request_id, f"{type(exc).__name__}: {exc}"))
+                out.failed.append(FailedAdd(cmd.request_id, f"{type(exc).__name__}: {exc}"))
         elif isinstance(cmd, AbortRequest):
             out.deltas.extend(e.abort_request(cmd.request_id))
         elif isinstance(cmd, EndInput):

@@ -311,7 +311,8 @@ class AsyncEngine:
             self._c.step_seqs += out.stats.num_seqs
         if out.snapshot is not None:
             self._publish(out)
-        for rid, message in out.failed:  # validated on the HTTP side, so this is a bug; the engine lives on
+        for failed in out.failed:  # validated on the HTTP side, so this is a bug; the engine lives on
+            rid, message = failed.request_id, failed.message
             log.error("add_request(%s) failed: %s", rid, message)
             sub = self._group_to_sub.get(rid)
             if sub is not None:
