@@ -192,7 +192,7 @@ class Ingress:
                 r.inflight -= n
 
         head_task = asyncio.ensure_future(gen.__anext__())
-        gone = asyncio.ensure_future(_wait_disconnect(request))
+        gone = asyncio.ensure_future(wait_disconnect(request))
         try:
             await asyncio.wait({head_task, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -349,7 +349,7 @@ class _RelayResponse(StreamingResponse):
             self.on_close()
 
 
-async def _wait_disconnect(request: Request) -> None:
+async def wait_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
 

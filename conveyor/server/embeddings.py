@@ -20,7 +20,7 @@ from conveyor.pooling import PoolingParams
 from conveyor.sampling_params import SamplingParams
 from conveyor.server import protocol as P
 from conveyor.server.async_engine import AddRequest, EngineDeadError
-from conveyor.server.serving import ApiError, OpenAIServing, _wait_disconnect, bad_request, parse_model
+from conveyor.server.serving import ApiError, OpenAIServing, bad_request, parse_model, wait_disconnect
 
 MAX_INPUTS = 2048  # as OpenAI
 
@@ -71,14 +71,14 @@ async def create_embeddings(serving: OpenAIServing, data: dict, request: Request
     errors: list[str] = []
 
     async def run() -> None:
-        async for d in serving._deltas(sub):
+        async for d in serving.deltas(sub):
             if d.error:
                 errors.append(d.error)
             if d.embedding is not None:
                 vectors[index[d.group_id]] = d.embedding
 
     work = asyncio.ensure_future(run())
-    watch = asyncio.ensure_future(_wait_disconnect(request))
+    watch = asyncio.ensure_future(wait_disconnect(request))
     try:
         done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -93,7 +93,7 @@ async def create_embeddings(serving: OpenAIServing, data: dict, request: Request
     except EngineDeadError as e:
         raise ApiError(503, str(e), "service_unavailable", code="engine_dead") from None
     except (TimeoutError, asyncio.TimeoutError):
-        raise serving._timeout_error() from None
+        raise serving.timeout_error() from None
     if errors or any(v is None for v in vectors):
         raise ApiError(500, f"the request failed in the engine: {errors[0] if errors else 'aborted'}",
                        "internal_error", code="request_failed")

@@ -134,7 +134,7 @@ def sse_event(obj: BaseModel | dict) -> str:
     return f"data: {body.translate(_UNICODE_LINE_BREAKS)}\n\n"
 
 
-async def _wait_disconnect(request: Request) -> None:
+async def wait_disconnect(request: Request) -> None:
     while True:
         msg = await request.receive()
         if msg["type"] == "http.disconnect":
@@ -311,7 +311,7 @@ class OpenAIServing:
             return outs
 
         work = asyncio.ensure_future(run())
-        watch = asyncio.ensure_future(_wait_disconnect(request))
+        watch = asyncio.ensure_future(wait_disconnect(request))
         try:
             done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED,
                                          timeout=self._time_left(sub))
@@ -321,7 +321,7 @@ class OpenAIServing:
                 work.cancel()
             sub.close()  # aborts whatever is unfinished: its blocks are freed
         if not done:
-            raise self._timeout_error()
+            raise self.timeout_error()
         if work not in done:
             return None
         try:
@@ -338,11 +338,11 @@ class OpenAIServing:
             return None
         return max(self.request_timeout - (time.monotonic() - sub.arrival), 0.0)
 
-    def _timeout_error(self) -> ApiError:
+    def timeout_error(self) -> ApiError:
         return ApiError(408, f"the request did not finish within --request-timeout ({self.request_timeout:g} s); "
                              "it was aborted", "timeout_error", code="request_timeout")
 
-    async def _deltas(self, sub: Submission) -> AsyncIterator:
+    async def deltas(self, sub: Submission) -> AsyncIterator:
         """`sub`'s deltas, until the request's deadline (--request-timeout): then TimeoutError."""
         it = sub.__aiter__()
         while True:
@@ -480,7 +480,7 @@ class OpenAIServing:
                 for i in range(len(prompts)):
                     for j in range(req.n):
                         yield chunk(P.CompletionChoice(index=i * req.n + j, text=echo[i]))
-            async for d in self._deltas(sub):
+            async for d in self.deltas(sub):
                 if d.error:  # this request failed alone: say so in-band and end the stream
                     yield self._request_error_event(d.error)
                     break
@@ -503,7 +503,7 @@ class OpenAIServing:
                 usage = _usage(sum(len(ids) for _, ids in prompts), completion_tokens, cached)
                 yield sse_event(P.CompletionChunk(id=sub.api_id, created=created, model=model, choices=[], usage=usage))
         except (TimeoutError, asyncio.TimeoutError):  # --request-timeout: abort (finally) and say so in-band
-            yield f"data: {json.dumps(self._timeout_error().body())}\n\n"
+            yield f"data: {json.dumps(self.timeout_error().body())}\n\n"
         except Exception as e:  # the engine died mid-stream: tell the client in-band
             yield self._error_event(e)
         finally:
@@ -651,7 +651,7 @@ class OpenAIServing:
         try:
             for j in range(req.n):
                 yield chunk(P.ChatStreamChoice(index=j, delta=P.DeltaMessage(role="assistant", content="")))
-            async for d in self._deltas(sub):
+            async for d in self.deltas(sub):
                 if d.error:  # this request failed alone: say so in-band and end the stream
                     yield self._request_error_event(d.error)
                     break
@@ -684,7 +684,7 @@ class OpenAIServing:
                 yield sse_event(P.ChatCompletionChunk(id=sub.api_id, created=created, model=model, choices=[],
                                                  usage=usage))
         except (TimeoutError, asyncio.TimeoutError):
-            yield f"data: {json.dumps(self._timeout_error().body())}\n\n"
+            yield f"data: {json.dumps(self.timeout_error().body())}\n\n"
         except Exception as e:
             yield self._error_event(e)
         finally:
