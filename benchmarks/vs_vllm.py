@@ -184,7 +184,7 @@ def load_flops(result: dict, cfg) -> tuple[float, float, float]:
 
 def gemm_rates(cfg) -> dict[int, float]:
     """Best bf16 GEMM FLOP/s over the model's weight shapes, at 64 rows (decode) and 256 rows (prefill):
-    torch's, oneDNN-prepacked, and our AVX-512 BF16 kernel where this CPU has it."""
+    torch's, oneDNN-prepacked, and our AVX-512 BF16 and AMX kernels where this CPU has them."""
     import torch
     import torch.nn.functional as F
 
@@ -204,6 +204,8 @@ def gemm_rates(cfg) -> dict[int, float]:
                    lambda x=x, p=packed: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [None], "")]
             if ours:
                 fns.append(lambda x=x, p=kern.linear_bf16_pack(w): kern.linear_bf16(x, p))
+                if getattr(kern, "linear_amx_available", lambda: False)():  # the same packed layout
+                    fns.append(lambda x=x, p=kern.linear_bf16_pack(w): kern.linear_amx(x, p))
             best = float("inf")
             for fn in fns:
                 for _ in range(3):

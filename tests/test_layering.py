@@ -197,6 +197,7 @@ WHITE_BOX = {
     "tests/runner/test_kv_dtype.py": "reads the KV pool tensors' dtype and size",
     "tests/runner/test_kv_populate.py": "reads the KV pool tensors' contents",
     "tests/lora/test_lora_parity.py": "which LoRA kernel the runner took; the adapters each planned step held",
+    "tests/lora/test_lora_invariance.py": "which LoRA kernel the runner took",
     "tests/server/test_lora_api.py": "the LoRA layers' stacked adapters after unloads",
     "benchmarks/perplexity.py": "runs the engine's own model forward over windows of a text",
 }

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from conveyor.argparsing import CliParser, document
+from conveyor.bench.lora import add_lora_args
 from conveyor.bench.stress import add_stress_parser, cmd_stress
 from conveyor.bench.workloads import WORKLOADS, WorkloadSpec
 from conveyor.engine.args import add_engine_args, engine_config_from_args
@@ -124,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="open loop: Poisson arrivals per second (default inf: all at once)")
     client.add_argument("--out", type=Path, default=None, help="write the result JSON here")
     add_workload_args(run)
+    add_lora_args(run)
     add_engine_args(run, title_prefix="in-process ")
 
     cmp_ = sub.add_parser("compare", parents=[common],
@@ -250,13 +252,26 @@ def cmd_run(args: argparse.Namespace) -> int:
     meta = {"label": f"{'in-process ' + args.scheduler if args.in_process else args.url} @ {load.label}",
             "workload": vars(spec), "load": load.label, "concurrency": args.concurrency,
             "request_rate": "inf" if args.request_rate == float("inf") else args.request_rate}
+    from conveyor.bench import lora as bench_lora
+
+    modules = bench_lora.parse_modules(args.lora_modules, need_paths=args.in_process)
+    if not modules and args.lora_spread and not args.in_process:
+        modules = bench_lora.http_adapters(args.url, args.api_key)
+    adapters = bench_lora.choose(modules, args.lora_spread)
+    if adapters:
+        meta["lora"] = {"adapters": [n for n, _ in adapters]}
     if args.in_process:
         from conveyor.bench.engine_backend import EngineBackend
         from conveyor.engine.llm_engine import LLMEngine
 
         config = lab_engine_config(args)
+        if adapters and not config.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
         engine = LLMEngine(config)
-        backend, cfg, max_len = EngineBackend(engine), engine.model_config, engine.max_model_len
+        loras = bench_lora.lora_requests(adapters)
+        if loras:
+            bench_lora.preload(engine, loras)
+        backend, cfg, max_len = EngineBackend(engine, loras), engine.model_config, engine.max_model_len
         dtype, device, pid = engine.info.torch_dtype, engine.info.torch_device, None
         meta["strategy"] = config.scheduler
     else:
@@ -268,7 +283,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         backend, max_len = HttpBackend(args.url, args.served_model, api_key=args.api_key), args.max_model_len
         device = resolve_device(args.device)
         dtype, pid = resolve_dtype(args.dtype, device), args.server_pid or find_listening_pid(args.url)
-    requests = generate(spec, cfg.vocab_size, max_len)
+    requests = bench_lora.spread(generate(spec, cfg.vocab_size, max_len), [n for n, _ in adapters])
     peak = measure_peak_flops(dtype, device, n=args.peak_matmul_size)
     make = lambda: run_once(backend, requests, load, flop_model=FlopModel.from_config(cfg), peak_flops=peak,
                             slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, server_pid=pid,
@@ -281,7 +296,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         res = asyncio.run(make())
     # a shared machine's peak varies: use the best of before and after the run
     set_peak(res, max(peak, measure_peak_flops(dtype, device, n=args.peak_matmul_size)))
+    if adapters:
+        res.meta["lora"]["per_adapter"] = bench_lora.per_adapter(res, requests)
     print(format_result(res))
+    if adapters:
+        print(bench_lora.format_lora(res.meta))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(res.to_json(), indent=1))

@@ -25,6 +25,7 @@ from conveyor.bench.workloads import BenchRequest
 from conveyor.config import EngineConfig
 from conveyor.engine.engine_loop import AbortRequest, AddRequest, EndInput, LoopOutput, Stop, ThreadEngineClient
 from conveyor.engine.llm_engine import STEP_PHASES, LLMEngine, StepStats
+from conveyor.lora.request import LoRARequest
 from conveyor.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -35,9 +36,11 @@ def strategy_config(base: EngineConfig, scheduler: str, **overrides) -> EngineCo
 
 
 class EngineBackend:
-    def __init__(self, engine: LLMEngine) -> None:
-        """Driven by `run_on_this_thread`, which runs the engine loop on the calling thread."""
+    def __init__(self, engine: LLMEngine, loras: dict[str, LoRARequest] | None = None) -> None:
+        """Driven by `run_on_this_thread`, which runs the engine loop on the calling thread. `loras`:
+        the adapters a request's `lora` names (bench/lora.py)."""
         self.engine = engine
+        self.loras = loras or {}
         self.info = engine.info
         self.client = ThreadEngineClient(engine)
         self.client.on_output = self._on_output  # called on the engine thread
@@ -61,7 +64,8 @@ class EngineBackend:
         params = SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
         ms = lambda v: v / 1000.0 if v is not None else None  # noqa: E731
         self.client.send(AddRequest(rid, list(req.prompt_token_ids), params, arrival_time=time.monotonic(),
-                                    tenant=req.tenant, slo_ttft_s=ms(req.slo_ttft_ms), slo_tpot_s=ms(req.slo_tpot_ms)))
+                                    tenant=req.tenant, slo_ttft_s=ms(req.slo_ttft_ms), slo_tpot_s=ms(req.slo_tpot_ms),
+                                    lora_request=self.loras[req.lora] if req.lora is not None else None))
         try:
             await fut
         except asyncio.CancelledError:

@@ -135,7 +135,7 @@ class HttpBackend:
 
     async def send(self, rid: str, req: BenchRequest, rec: RequestRecord) -> None:
         payload = {
-            "model": self.model, "prompt": list(req.prompt_token_ids), "max_tokens": req.max_tokens,
+            "model": req.lora or self.model, "prompt": list(req.prompt_token_ids), "max_tokens": req.max_tokens,
             "temperature": 0.0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True},
         }

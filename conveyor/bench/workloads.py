@@ -24,6 +24,7 @@ class BenchRequest:
     tenant: str | None = None  # sent as the OpenAI `user` field (None: the default tenant)
     slo_ttft_ms: float | None = None  # its own latency targets (None: the run's --slo-*-ms, if any)
     slo_tpot_ms: float | None = None
+    lora: str | None = None  # the LoRA adapter it runs under, by name (None: the base model; bench/lora.py)
 
     @property
     def prompt_len(self) -> int:

@@ -108,6 +108,7 @@ class EngineSnapshot:
     # LoRA: sequences per adapter name, running and waiting (vLLM's lora_requests_info)
     lora_running: tuple[tuple[str, int], ...] = ()
     lora_waiting: tuple[tuple[str, int], ...] = ()
+    lora_loaded: tuple[str, ...] = ()  # adapters loaded in the model's layers, least recently used first
     steps: int = 0  # steps the scheduler has planned on this engine (since the last `reset`)
 
 
@@ -623,6 +624,7 @@ class LLMEngine:
             lora_waiting=self._lora_counts([*self.scheduler.waiting, *(r for v in self.scheduler.held.values()
                                                                          for r in v)])
             if self.runner.lora is not None else (),
+            lora_loaded=tuple(r.lora_name for r in self.runner.lora.loaded) if self.runner.lora is not None else (),
             steps=self.scheduler.step_count)
 
     def activation_headroom(self, config: EngineConfig) -> int:

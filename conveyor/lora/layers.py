@@ -10,16 +10,17 @@ which is S-LoRA's / Punica's SGMV (segmented gather matrix-vector): no weight is
 forward runs per adapter, and rows without an adapter are in no segment, so they cost nothing.
 conveyor fuses q/k/v and gate/up into one linear each (`conveyor/model/llama.py`); a fused linear's
 adapters are stacked to match: the projections' A matrices are concatenated along the rank
-([r_q + r_k + r_v, in]) and their B matrices placed block-diagonally ([out_q + out_k + out_v,
-r_q + r_k + r_v], zero where a projection is not adapted), so one shrink and one expand cover all
-of them and each projection's delta lands on its own output columns. Both are kept transposed
-(At [in, R], Bt [R, out]), the layout the compiled kernel reads row by row.
+([r_q + r_k + r_v, in], as peft stores A: the kernel's shrink is a dot product over its rows) and their B
+matrices placed block-diagonally and transposed (Bt [r_q + r_k + r_v, out_q + out_k + out_v], zero where
+a projection is not adapted), so one shrink and one expand cover all of them and each projection's delta
+lands on its own output columns; the kernel reads only the non-zero blocks, listed beside them.
 
 Two paths compute the same thing: the compiled CPU kernel (`kernels/csrc/lora_sgmv.cpp`: one call per
-linear for every short segment, fp32 accumulation) where the kernels are built and the dtype is fp32
-or bf16, and the torch reference (two matmuls per segment) everywhere else, for segments of
-`LARGE_SEGMENT_ROWS` rows or more (oneDNN's GEMMs win there), or with `CONVEYOR_LORA_KERNEL=0`.
-tests/lora/test_lora_parity.py checks them against each other.
+linear for every segment, fp32 accumulation, only Bt's non-zero blocks read) where the kernels are built
+and the dtype is fp32 or bf16, and the torch reference (two matmuls per segment) everywhere else, or with
+`CONVEYOR_LORA_KERNEL=0`. The kernel takes every segment, short (decodes) or long (prefills): a row's
+result then never depends on how many other rows share its adapter in the step (batch invariance).
+tests/lora/test_lora_parity.py checks both paths against a row-by-row reference and each other.
 """
 
 from __future__ import annotations
@@ -30,28 +31,19 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-# Segments of at least this many rows take torch's matmuls even where the kernel is built: oneDNN's
-# GEMMs (AMX / AVX-512 BF16) beat the kernel's plain FMAs once ~20 us of dispatch per matmul is spread
-# over enough rows; short segments (decodes of many adapters) are the kernel's.
-LARGE_SEGMENT_ROWS = 32
-
 
 @dataclass
 class LoRABatch:
     """The current step's segments, shared by every `LoRALinear` of a model: (adapter id, first row,
-    end row). Empty outside a step and in steps without adapter rows. `small` / `large` split them for
-    the kernel (with `ranges`, their row ranges as an int64 [S, 2] tensor) and the torch path."""
+    end row), and their row ranges as an int64 [S, 2] tensor for the kernel. Empty outside a step and in
+    steps without adapter rows."""
 
     segments: list[tuple[int, int, int]] = field(default_factory=list)
-    small: list[tuple[int, int, int]] = field(default_factory=list)
-    large: list[tuple[int, int, int]] = field(default_factory=list)
     ranges: torch.Tensor | None = None
 
     def set(self, segments: list[tuple[int, int, int]]) -> None:
         self.segments = segments
-        self.large = [g for g in segments if g[2] - g[1] >= LARGE_SEGMENT_ROWS]
-        self.small = [g for g in segments if g[2] - g[1] < LARGE_SEGMENT_ROWS]
-        self.ranges = torch.tensor([[s, e] for _, s, e in self.small], dtype=torch.long) if self.small else None
+        self.ranges = torch.tensor([[s, e] for _, s, e in segments], dtype=torch.long) if segments else None
 
 
 def segments_for(lora_ids: list[int | None], row_counts: list[int]) -> list[tuple[int, int, int]]:
@@ -81,7 +73,7 @@ def sgmv_kernel(dtype: torch.dtype, device: torch.device):
     return getattr(k, "lora_sgmv_", None) if k is not None else None
 
 
-_EMPTY = torch.empty(0)
+_NONE = (torch.empty(0), torch.empty(0), torch.empty(0, 4, dtype=torch.long))  # a segment of an adapter a linear lacks
 
 
 class LoRALinear(nn.Module):
@@ -97,27 +89,29 @@ class LoRALinear(nn.Module):
         self.out_features = sum(n for _, n in parts)
         self.batch = batch
         self.kernel = kernel  # the compiled op, or None: torch
-        # adapter id -> (At [in, R], Bt [R, out]) with R the sum of the adapted parts' ranks
-        self.stacked: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # adapter id -> (A [R, in], Bt [R, out], blocks) with R the sum of the adapted parts' ranks and
+        # blocks int64 [P, 4]: Bt's non-zero blocks (first rank row, rank rows, first column, columns)
+        self.stacked: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def add(self, adapter_id: int, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Install one adapter's (A [r, in], B [out, r]) per projection (scaling already in B); parts it
         leaves out stay unadapted. Nothing is installed when it adapts none of this linear's parts."""
         if not pairs:
             return
-        a_list, blocks, offset, rank = [], [], 0, 0
+        a_list, b_list, blocks, offset, rank = [], [], [], 0, 0
         for part, width in self.parts:
             if part in pairs:
                 a, b = pairs[part]
                 a_list.append(a)
-                blocks.append((offset, rank, b))
+                b_list.append(b)
+                blocks.append((rank, a.shape[0], offset, width))
                 rank += a.shape[0]
             offset += width
-        at = torch.cat(a_list).t().contiguous()
-        bt = at.new_zeros(rank, self.out_features)
-        for out0, r0, b in blocks:
-            bt[r0:r0 + b.shape[1], out0:out0 + b.shape[0]] = b.t()
-        self.stacked[adapter_id] = (at, bt)
+        a = torch.cat(a_list).contiguous()
+        bt = a.new_zeros(rank, self.out_features)
+        for (r0, rn, o0, on), b in zip(blocks, b_list):
+            bt[r0:r0 + rn, o0:o0 + on] = b.t()
+        self.stacked[adapter_id] = (a, bt, torch.tensor(blocks, dtype=torch.long))
 
     def remove(self, adapter_id: int) -> None:
         self.stacked.pop(adapter_id, None)
@@ -128,11 +122,9 @@ class LoRALinear(nn.Module):
         if not segs:
             return y
         if self.kernel is not None and y.dtype == x.dtype and x.is_contiguous() and y.is_contiguous():
-            if self.batch.small:
-                got = [self.stacked.get(lid) for lid, _, _ in self.batch.small]
-                self.kernel(y, x, self.batch.ranges, [w[0] if w else _EMPTY for w in got],
-                            [w[1] if w else _EMPTY for w in got])
-            return self.torch_deltas(x, y, self.batch.large)
+            got = [self.stacked.get(lid, _NONE) for lid, _, _ in segs]
+            self.kernel(y, x, self.batch.ranges, [w[0] for w in got], [w[1] for w in got], [w[2] for w in got])
+            return y
         return self.torch_deltas(x, y, segs)
 
     def torch_deltas(self, x: torch.Tensor, y: torch.Tensor, segments: list[tuple[int, int, int]]) -> torch.Tensor:
@@ -140,8 +132,8 @@ class LoRALinear(nn.Module):
         for lid, s, e in segments:
             w = self.stacked.get(lid)
             if w is not None:
-                at, bt = w
-                y[s:e].addmm_(torch.mm(x[s:e], at), bt)
+                a, bt, _ = w
+                y[s:e].addmm_(torch.mm(x[s:e], a.t()), bt)
         return y
 
     def reference(self, x: torch.Tensor, lora_ids: list[int | None]) -> torch.Tensor:
@@ -151,7 +143,7 @@ class LoRALinear(nn.Module):
         for i, lid in enumerate(lora_ids):
             row = y[i].clone()
             if lid is not None and lid in self.stacked:
-                at, bt = self.stacked[lid]
-                row += (x[i].float() @ at.float()) @ bt.float()
+                a, bt, _ = self.stacked[lid]
+                row += (x[i].float() @ a.float().t()) @ bt.float()
             out.append(row)
         return torch.stack(out)

@@ -122,9 +122,9 @@ class ModelRunner:
 
             self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank,
                                     config.max_cpu_loras or config.max_loras, self.dtype, self.device)
-            # an adapter's rows take the compiled kernel (each row alone) or torch's matmuls (as many rows as
-            # the step gives the adapter) depending on the step: a row's numerics may depend on its batch
-            self.batch_invariant = False
+            # the compiled kernel computes each adapter row alone, whatever its segment's size; the torch
+            # path's matmuls (no compiled kernels, CUDA, fp16) see the segment: a row's bits may depend on it
+            self.batch_invariant = self.batch_invariant and self.lora.kernel is not None
         kinds = sorted({m.kernel for m in linears if isinstance(m, PackedLinear)})
         log.info("runner: %s/%s, weights %s, attention %s, %d linear layers packed (%s), %d torch threads, "
                  "batch-invariant outputs: %s", self.device, self.dtype, self.weight_dtype, self.attention_backend,

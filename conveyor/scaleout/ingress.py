@@ -36,9 +36,11 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 
 import conveyor
 from conveyor.scaleout.args import add_scaleout_args  # noqa: F401 - re-exported (the CLI's old import path)
+from conveyor.scaleout.lora import add_runtime_lora_routes, check_lora_modules, lora_affinity_key
 from conveyor.scaleout.router import Router, prefix_text
 from conveyor.server import protocol as P
 from conveyor.server.api_server import ServerArgs, bind_listen_socket
+from conveyor.server.lora import runtime_updating_allowed
 from conveyor.server.metrics import CONTENT_TYPE
 from conveyor.server.serving import ApiError
 
@@ -171,7 +173,9 @@ class Ingress:
         n = n if isinstance(n, int) and 0 < n <= 1024 else 1
         path = request.url.path
         if replica is None:
-            decision = self.router.pick(prefix_text(path, data), self.loads())
+            model = data.get("model") if isinstance(data, dict) else None
+            key = lora_affinity_key(model, self.model_name, prefix_text(path, data))
+            decision = self.router.pick(key, self.loads())
             if decision is None:
                 raise ApiError(503, "no engine replica is available; retry shortly", "service_unavailable",
                                code="no_replica")
@@ -281,6 +285,8 @@ class Ingress:
 
         for path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize", "/detokenize"):
             app.add_api_route(path, post, methods=["POST"])
+        if runtime_updating_allowed(self.args.allow_runtime_lora_updating):
+            add_runtime_lora_routes(app, self)  # on every replica
 
         @app.get("/v1/models")
         async def models(request: Request) -> Response:
@@ -388,6 +394,7 @@ def run_replicated_server(args: argparse.Namespace) -> int:
     if cfg.threads is None and args.device != "cuda":
         cfg.threads = max(1, int(args.replica_cpus))
     sargs = ServerArgs.from_namespace(args)
+    check_lora_modules(cfg, sargs)  # before Ray: a bad adapter stops here, not in N replicas
     router = Router(args.replicas, args.router or "prefix", imbalance=args.router_imbalance)
     sock = bind_listen_socket(sargs.host, sargs.port)  # before Ray: its processes take ports as they start
 

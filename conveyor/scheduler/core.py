@@ -67,6 +67,7 @@ class Scheduler:
         self.held: dict[str, list[Request]] = {}  # n > 1: siblings waiting for sample 0's prompt
         self.input_ended = False  # offline: no more requests will come (static batches may flush)
         self.num_preemptions = 0
+        self.num_lora_deferrals = 0  # steps where requests for resident adapters went first (prefer_resident_loras)
         self.step_count = 0
 
     # --- queue management -------------------------------------------------------------------------
@@ -178,6 +179,55 @@ class Scheduler:
                 self.preempt(pick(cands), step)
             else:
                 step.add(req, n)
+
+    def prefer_resident_loras(self, order: Iterable[Request], step: Step) -> list[Request]:
+        """`order` (a policy's admission order) with requests for adapters already resident put first.
+
+        Only when `--max-loras` is the limit (more distinct adapters among running and waiting requests
+        than `max_loras`): a seat given to a request whose adapter is new to the running batch takes one
+        of the few adapter slots, while one whose adapter already runs (or the base model's) fills the
+        batch at no extra adapter: fewer adapters per step, fewer segments in every LoRA linear, and the
+        batch stays full instead of holding requests that `Step.lora_fits` would skip. Resident means in
+        the running batch or in this step. Without such a limit the policy's order is kept as it is.
+
+        Bounded like the policies' aging: a request that has waited `priority_aging_steps` steps keeps
+        its place in the policy's order; and while such a request's adapter cannot get a slot (the
+        resident adapters take all `max_loras`), the resident adapter closest to done (least output left
+        among its running requests) admits nobody who arrived after it, so that adapter drains and frees
+        a slot. Without that, a steady stream for one resident adapter would hold `Step.lora_fits` shut
+        for every other adapter forever; draining only one adapter (not all) keeps the batch as full as
+        the bound allows. The order only changes who goes first, never what a request computes: outputs
+        are the same (batch invariance)."""
+        order = list(order)
+        if not self.config.enable_lora or len(order) <= 1:
+            return order
+        resident = {r.lora_int_id for r in self.running} | step.lora_ids
+        resident.discard(None)
+        wanted = resident | {r.lora_int_id for r in order if r.lora_int_id is not None}
+        if len(wanted) <= self.config.max_loras:
+            return order  # every adapter fits in one step: no slot to save
+        aging = max(self.config.priority_aging_steps, 1)
+        since = min((r.arrival_time for r in order if r.lora_int_id is not None and r.lora_int_id not in resident
+                     and r.waited_steps >= aging), default=None) if len(resident) >= self.config.max_loras else None
+        drain = self._lora_to_drain() if since is not None else None
+        first: list[Request] = []
+        later: list[Request] = []
+        for r in order:
+            lid = r.lora_int_id
+            if drain is not None and lid == drain and r.arrival_time > since:
+                continue  # this adapter drains: an older request waits for its slot
+            keep = lid is None or lid in resident or r.waited_steps >= aging
+            (first if keep else later).append(r)
+        self.num_lora_deferrals += bool(later) and bool(first)
+        return first + later
+
+    def _lora_to_drain(self) -> int | None:
+        """The running adapter whose requests finish first (least output left at most), ties by id."""
+        left: dict[int, int] = {}
+        for r in self.running:
+            if r.lora_int_id is not None:
+                left[r.lora_int_id] = max(left.get(r.lora_int_id, 0), r.max_tokens - len(r.output_token_ids))
+        return min(left, key=lambda lid: (left[lid], lid)) if left else None
 
     def admit(self, step: Step, req: Request, chunk: bool = True) -> bool:
         """Try to move `req` from waiting to running in this step. False when it does not fit."""

@@ -137,7 +137,7 @@ class IterationPolicy(Policy):
             return  # the pool is full: admitting more would only thrash
         long_running = sum(1 for r in s.running if r.is_prefill and r.num_remaining_work > self.long_threshold)
         inflight = self.inflight_prefix_hashes(s, s.running)
-        for req in self.order_waiting(s):
+        for req in s.prefer_resident_loras(self.order_waiting(s), step):
             if not step.has_room():
                 break
             is_long = req.num_tokens - req.num_computed_tokens > self.long_threshold

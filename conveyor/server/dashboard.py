@@ -53,7 +53,7 @@ def dashboard_setup(config, info) -> dict:
     return {"model": info.model_name, "strategy": config.scheduler, "summary": POLICIES[config.scheduler].summary,
             "knobs": knobs,
             "kv_blocks": info.num_kv_blocks, "kv_tokens": info.kv_cache_tokens, "dtype": info.weight_dtype,
-            "kv_dtype": info.kv_cache_dtype}
+            "kv_dtype": info.kv_cache_dtype, **({"max_loras": info.max_loras} if info.max_loras else {})}
 
 
 class _Second:
@@ -221,6 +221,9 @@ class DashboardHub:
                               "kv_total": s.kv_blocks_total, "gen_tokens": s.generation_tokens,
                               "prompt_tokens": s.prompt_tokens, "preemptions": s.preemptions,
                               "prefix_hits": s.prefix_hits, "prefix_queries": s.prefix_queries}
+            if self.setup.get("max_loras"):  # LoRA: who is in the batch, who waits, what is loaded
+                ev["snapshot"]["lora"] = {"running": dict(s.lora_running), "waiting": dict(s.lora_waiting),
+                                          "loaded": list(s.lora_loaded)}
         if self._kv is not None:
             ev["kv"], self._kv = self._kv, None
         if self._setup_changed:

@@ -114,6 +114,35 @@ def test_engine_refuses_a_bad_adapter_and_keeps_serving(tiny_llama, good, tmp_pa
     assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
 
 
+@pytest.mark.parametrize("case", ["missing", "rank", "malformed-config", "no-weights", "not-a-directory"])
+def test_engine_refuses_each_bad_adapter_before_queueing_and_keeps_serving(tiny_llama, good, tmp_path, case):
+    """The issue's error criteria offline: each bad adapter fails the whole `generate` call with its reason
+    and queues nothing; the same engine then serves the base model and a good adapter."""
+    llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=64, max_model_len=256, enable_lora=True,
+              max_lora_rank=4 if case == "rank" else 16)
+    d = tmp_path / "bad"
+    if case != "missing":
+        shutil.copytree(good, d)
+    if case == "malformed-config":
+        (d / "adapter_config.json").write_text("{not json")
+    elif case == "no-weights":
+        (d / "adapter_model.safetensors").unlink()
+    elif case == "not-a-directory":
+        shutil.rmtree(d)
+        d.write_text("a file")
+    message = {"missing": "does not exist", "rank": "rank 8 is above --max-lora-rank 4",
+               "malformed-config": "not valid JSON", "no-weights": "adapter_model",
+               "not-a-directory": "is not a directory"}[case]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9]}]
+    with pytest.raises(ValueError, match=message):
+        llm.generate(prompts, params, use_tqdm=False, lora_request=[None, LoRARequest("bad", 2, str(d))])
+    assert not llm.engine.has_unfinished_requests() and llm.engine.list_loras() == []
+    small = make_adapter(tiny_llama, tmp_path / "small", 4, ["v_proj"], seed=3)
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=[None, LoRARequest("small", 1, str(small))])
+    assert all(len(o.outputs[0].token_ids) == 3 for o in outs)
+
+
 def test_lora_off_refuses_lora_requests(tiny_llama, good):
     llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=32, max_model_len=256)
     with pytest.raises(ValueError, match="enable_lora"):

@@ -51,12 +51,12 @@ def ray_ok() -> None:
 class ReplicatedServer:
     """`conveyor serve --replicas 2` in its own process (and its own local Ray instance)."""
 
-    def __init__(self, tiny_llama, router: str, api_key: bool = False) -> None:
+    def __init__(self, tiny_llama, router: str, api_key: bool = False, extra: tuple[str, ...] = ()) -> None:
         self.proc = popen_server([
             sys.executable, "-m", "conveyor", "serve", "--replicas", "2", "--router", router, "--replica-cpus", "1",
             "--model", str(tiny_llama), "--served-model-name", MODEL, "--dtype", "float32", "--port", "0",
             "--kv-cache-memory", "0.01", "--max-model-len", "512", "--disable-log-requests",
-            "--uvicorn-log-level", "warning", *(["--api-key", API_KEY] if api_key else [])])
+            "--uvicorn-log-level", "warning", *(["--api-key", API_KEY] if api_key else []), *extra])
         self.headers = {"Authorization": f"Bearer {API_KEY}"} if api_key else {}
         self.url = bound_url(self.proc)  # bound before Ray starts
         deadline = time.monotonic() + 240

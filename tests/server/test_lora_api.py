@@ -11,6 +11,8 @@ import gc
 import json
 import random
 import shutil
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -226,3 +228,64 @@ def test_runtime_routes_are_off_without_the_flag(tiny_llama, adapter_dirs):
         r = _post(srv, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(adapter_dirs["late"])})
         assert r.status_code == 404
         assert _greedy(srv, "sql", [1, 2])
+
+
+def test_unknown_adapter_404_is_openais_error_body_streamed_or_not(lora_server):
+    """vLLM answers an unknown `model` with 404; the body is OpenAI's error object (message naming the
+    model, type, param, code), also for a streaming request (before any event), and for both endpoints."""
+    for path, body in (("/v1/completions", {"prompt": [1, 2, 3]}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        for stream in (False, True):
+            r = _post(lora_server, path, {"model": "no-such-adapter", "max_tokens": 2, "stream": stream, **body})
+            assert r.status_code == 404 and r.headers["content-type"].startswith("application/json"), r.text
+            assert r.json() == {"error": {"message": "The model `no-such-adapter` does not exist.",
+                                          "type": "invalid_request_error", "param": "model",
+                                          "code": "model_not_found"}}
+    for model in ("sql", "chat", "poem", MODEL):  # every other model still served
+        assert _greedy(lora_server, model, [4, 5, 6])
+
+
+def test_unloading_an_adapter_mid_stream_loses_none_of_its_requests(lora_server, adapter_dirs):
+    """Requests already running under an adapter that is unloaded finish in full; new ones get 404; the
+    weights go once they are done."""
+    engine = lora_server.app.state.engine.client.engine
+    assert _post(lora_server, "/v1/load_lora_adapter",
+                 {"lora_name": "going", "lora_path": str(adapter_dirs["late"])}).status_code == 200
+    started = threading.Barrier(5)
+    results: list[tuple[int, str | None, int]] = []
+    last_token: dict[int, float] = {}
+
+    def stream(i: int) -> None:
+        body = {"model": "going", "prompt": [11, 12, i], "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        finish, tokens, first = None, 0, True
+        with httpx.stream("POST", lora_server.url + "/v1/completions", json=body, timeout=120,
+                          headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if first:
+                    first = False
+                    started.wait(60)
+                for c in chunk.get("choices") or ():
+                    finish = c.get("finish_reason") or finish
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+                last_token[i] = time.monotonic()
+            results.append((r.status_code, finish, tokens))
+
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(stream, i) for i in range(4)]
+        started.wait(60)  # every stream has its first token: all four run under the adapter now
+        assert _post(lora_server, "/v1/unload_lora_adapter", {"lora_name": "going"}).status_code == 200
+        unloaded = time.monotonic()
+        r = _post(lora_server, "/v1/completions", {"model": "going", "prompt": [1], "max_tokens": 2})
+        assert r.status_code == 404
+        for f in futures:
+            f.result()
+    assert results == [(200, "length", 200)] * 4
+    assert max(last_token.values()) > unloaded  # they really were running when the adapter was unloaded
+    lora_server.wait_idle()
+    assert "going" not in {r.lora_name for r in engine.list_loras()}
+    assert _greedy(lora_server, "sql", [1, 2, 3])

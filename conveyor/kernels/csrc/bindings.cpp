@@ -307,10 +307,12 @@ at::Tensor sample_rows(at::Tensor logits, at::Tensor temperature, at::Tensor top
   return out;
 }
 
-// LoRA: y [n, out] += (x @ at[s]) @ bt[s] over each segment s's rows (lora_sgmv.cpp); segments: int64 [S, 2]
-// (start row, end row); at[s] [in, R_s], bt[s] [R_s, out] in y's dtype; an empty at[s] skips segment s.
-void lora_sgmv_(at::Tensor y, at::Tensor x, at::Tensor segments, std::vector<at::Tensor> at_,
-                std::vector<at::Tensor> bt_) {
+// LoRA: y [n, out] += (x @ a[s]^T) @ bt[s] over each segment s's rows (lora_sgmv.cpp); segments: int64
+// [S, 2] (start row, end row); a[s] [R_s, in], bt[s] [R_s, out] in y's dtype, blocks[s] int64 [P_s, 4]
+// (first rank row, rank rows, first output column, output columns) of bt[s]'s non-zero blocks; an empty
+// a[s] skips segment s.
+void lora_sgmv_(at::Tensor y, at::Tensor x, at::Tensor segments, std::vector<at::Tensor> a_,
+                std::vector<at::Tensor> bt_, std::vector<at::Tensor> blocks_) {
   constexpr int64_t kRows = 4;  // rows per block of work (lora_sgmv.cpp's register block)
   TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && y.size(0) == x.size(0), "lora_sgmv_: y [n, out] and x [n, in]");
   TORCH_CHECK(y.is_contiguous() && x.is_contiguous(), "lora_sgmv_: y and x must be contiguous");
@@ -320,22 +322,34 @@ void lora_sgmv_(at::Tensor y, at::Tensor x, at::Tensor segments, std::vector<at:
   TORCH_CHECK(segments.scalar_type() == at::kLong && segments.dim() == 2 && segments.size(1) == 2,
               "lora_sgmv_: segments int64 [S, 2]");
   const int64_t S = segments.size(0), in = x.size(1), out = y.size(1), n = y.size(0);
-  TORCH_CHECK(static_cast<int64_t>(at_.size()) == S && static_cast<int64_t>(bt_.size()) == S,
-              "lora_sgmv_: one at and one bt per segment");
+  TORCH_CHECK(static_cast<int64_t>(a_.size()) == S && static_cast<int64_t>(bt_.size()) == S &&
+                  static_cast<int64_t>(blocks_.size()) == S,
+              "lora_sgmv_: one a, one bt and one blocks per segment");
   auto seg = segments.contiguous();
   const int64_t* sp = seg.data_ptr<int64_t>();
-  std::vector<int64_t> work, rank(S, 0);
+  std::vector<int64_t> work, rank(S, 0), num_blocks(S, 0);
   std::vector<const void*> a(S, nullptr), b(S, nullptr);
+  std::vector<const int64_t*> blocks(S, nullptr);
   for (int64_t s = 0; s < S; ++s) {
-    if (at_[s].numel() == 0) continue;
-    TORCH_CHECK(at_[s].dim() == 2 && bt_[s].dim() == 2 && at_[s].size(0) == in && bt_[s].size(1) == out &&
-                    at_[s].size(1) == bt_[s].size(0) && at_[s].is_contiguous() && bt_[s].is_contiguous() &&
-                    at_[s].scalar_type() == y.scalar_type() && bt_[s].scalar_type() == y.scalar_type(),
-                "lora_sgmv_: segment ", s, " needs contiguous at [in, R] and bt [R, out] in y's dtype");
+    if (a_[s].numel() == 0) continue;
+    const int64_t R = a_[s].size(0);
+    TORCH_CHECK(a_[s].dim() == 2 && bt_[s].dim() == 2 && a_[s].size(1) == in && bt_[s].size(1) == out &&
+                    bt_[s].size(0) == R && a_[s].is_contiguous() && bt_[s].is_contiguous() &&
+                    a_[s].scalar_type() == y.scalar_type() && bt_[s].scalar_type() == y.scalar_type(),
+                "lora_sgmv_: segment ", s, " needs contiguous a [R, in] and bt [R, out] in y's dtype");
+    const at::Tensor& bl = blocks_[s];
+    TORCH_CHECK(bl.scalar_type() == at::kLong && bl.dim() == 2 && bl.size(1) == 4 && bl.is_contiguous(),
+                "lora_sgmv_: blocks of segment ", s, " must be contiguous int64 [P, 4]");
+    const int64_t* bp = bl.data_ptr<int64_t>();
+    for (int64_t i = 0; i < bl.size(0); ++i, bp += 4)
+      TORCH_CHECK(bp[0] >= 0 && bp[1] >= 0 && bp[0] + bp[1] <= R && bp[2] >= 0 && bp[3] >= 0 && bp[2] + bp[3] <= out,
+                  "lora_sgmv_: block ", i, " of segment ", s, " is outside bt");
     TORCH_CHECK(0 <= sp[2 * s] && sp[2 * s] <= sp[2 * s + 1] && sp[2 * s + 1] <= n, "lora_sgmv_: bad segment ", s);
-    rank[s] = at_[s].size(1);
-    a[s] = at_[s].data_ptr();
+    rank[s] = R;
+    a[s] = a_[s].data_ptr();
     b[s] = bt_[s].data_ptr();
+    blocks[s] = bl.data_ptr<int64_t>();
+    num_blocks[s] = bl.size(0);
     for (int64_t r = sp[2 * s]; r < sp[2 * s + 1]; r += kRows) {
       work.push_back(r);
       work.push_back(std::min<int64_t>(kRows, sp[2 * s + 1] - r));
@@ -343,8 +357,10 @@ void lora_sgmv_(at::Tensor y, at::Tensor x, at::Tensor segments, std::vector<at:
     }
   }
   if (work.empty()) return;
-  table().lora_sgmv(y.scalar_type() == at::kFloat ? DType::F32 : DType::BF16, y.data_ptr(), x.data_ptr(), in,
-                    out, work.data(), static_cast<int64_t>(work.size()) / 3, a.data(), b.data(), rank.data(), S);
+  conveyor::LoRAArgs p{y.data_ptr(), x.data_ptr(), in, out, work.data(), static_cast<int64_t>(work.size()) / 3,
+             a.data(), b.data(), rank.data(), blocks.data(), num_blocks.data(),
+             y.scalar_type() == at::kFloat ? conveyor::DType::F32 : conveyor::DType::BF16};
+  table().lora_sgmv(p);
 }
 
 }  // namespace

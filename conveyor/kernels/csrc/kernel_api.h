@@ -69,6 +69,23 @@ struct WriteKVArgs {
   DType dtype, cache_dtype;
 };
 
+// lora_sgmv: see lora_sgmv.cpp. Per segment s (one adapter's rows): A_s [R_s, in] (the projections' A
+// matrices stacked), Bt_s [R_s, out] (their B matrices transposed, block-diagonal) and the blocks of Bt_s
+// that are not zero, each (first rank row, rank rows, first output column, output columns).
+struct LoRAArgs {
+  void* y;
+  const void* x;
+  int64_t in, out;
+  const int64_t* work;  // per block of work: (first row, rows <= 4, segment)
+  int64_t num_work;
+  const void* const* a;
+  const void* const* bt;
+  const int64_t* rank;
+  const int64_t* const* blocks;  // per segment: num_blocks[s] x (r0, rn, o0, on)
+  const int64_t* num_blocks;
+  DType dtype;
+};
+
 // Every entry point of one variant. A null entry: not compiled into this variant (e.g. linear_bf16 needs
 // AVX-512 BF16). Add a field here for a new kernel, set it in that file's register_<file>().
 struct Table {
@@ -87,9 +104,7 @@ struct Table {
   // AMX tiles, on linear_bf16's packed layout; set only where the CPU has AMX and Linux grants the tile state
   void (*linear_amx)(const uint16_t* x, const uint16_t* packed, uint16_t* out, int64_t m, int64_t k,
                      int64_t n_blocks) = nullptr;
-  void (*lora_sgmv)(DType dtype, void* y, const void* x, int64_t in, int64_t out, const int64_t* work,
-                    int64_t num_work, const void* const* at, const void* const* bt, const int64_t* rank,
-                    int64_t num_segments) = nullptr;
+  void (*lora_sgmv)(const LoRAArgs&) = nullptr;
   void (*sample_rows)(const float* logits, int64_t rows, int64_t vocab, const float* temperature,
                       const int64_t* top_k, const float* top_p, const float* min_p, const double* uniform,
                       int64_t* out) = nullptr;
