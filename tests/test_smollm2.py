@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from conveyor import LLM, SamplingParams
-from conveyor.model.attention import build_metadata
 from tests.conftest import needs_smollm2
 from tests.hf_reference import hf_greedy, hf_logits, hf_model_from_gguf
 
@@ -71,16 +70,9 @@ def smol_reference():
 def test_prefill_logits_match_hf(path, atol, request, hf_smol):
     llm = request.getfixturevalue("smol" if path == "fast" else "smol_reference")
     ids = llm.apply_chat_template(CONVERSATIONS[0])
-    runner = llm.engine.runner
-    assert runner.attention_backend == ("kernel" if path == "fast" else "torch") or runner.device.type != "cpu"
-    assert not llm.engine.has_unfinished_requests()
-    table = list(range(-(-len(ids) // runner.block_size)))
-    meta = build_metadata([len(ids)], [len(ids)], [table], runner.block_size, runner.device,
-                          runner.attention_backend)
-    with torch.inference_mode():
-        hidden = runner.model(torch.tensor(ids), torch.arange(len(ids)), runner.kv_caches, meta)
-        got = runner.model.compute_logits(hidden)
-    llm.engine.reset_prefix_cache()
+    info = llm.engine.info
+    assert info.attention_backend == ("kernel" if path == "fast" else "torch") or info.device != "cpu"
+    got = llm.engine.prompt_logits(ids)
     torch.testing.assert_close(got, hf_logits(hf_smol, ids), atol=atol, rtol=0)
 
 

@@ -70,6 +70,7 @@ class StepStats:
     request_tokens: list[int] = field(default_factory=list)  # tokens each of `request_ids` got in this step
     request_prefill: list[bool] = field(default_factory=list)  # whether that was prompt (a chunk) or a decode
     preempted_ids: list[str] = field(default_factory=list)  # requests this step pushed back to the queue
+    lora_ids: list[int] = field(default_factory=list)  # the distinct adapters (int ids) this step ran
 
     @property
     def end(self) -> float:
@@ -110,6 +111,7 @@ class EngineSnapshot:
     lora_waiting: tuple[tuple[str, int], ...] = ()
     lora_loaded: tuple[str, ...] = ()  # adapters loaded in the model's layers, least recently used first
     steps: int = 0  # steps the scheduler has planned on this engine (since the last `reset`)
+    lora_deferrals: int = 0  # steps where requests for resident adapters went first (--max-loras was the limit)
 
 
 @dataclass(frozen=True)
@@ -145,6 +147,8 @@ class EngineInfo:
     lora: LoRASpec | None = None  # what adapters must fit, when LoRA is enabled (checked on the HTTP side)
     max_loras: int = 0  # distinct adapters per step (0: LoRA off)
     weight_bytes: int = 0  # the model's parameters and buffers: what every step reads once (the lab's MBU)
+    lora_kernel: bool = False  # adapters' deltas run the compiled kernel (else torch's matmuls)
+    quantized_linears: int = 0  # linear layers held in int8/int4 (--quantization or a quantized checkpoint)
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -227,7 +231,8 @@ class LLMEngine:
             default_sampling=default_sampling(config.model, config.generation_config),
             hidden_size=ckpt.config.hidden_size,
             lora=r.lora.spec if r.lora is not None else None, max_loras=config.max_loras if r.lora is not None else 0,
-            weight_bytes=r.weight_bytes)
+            weight_bytes=r.weight_bytes, lora_kernel=r.lora is not None and r.lora.kernel is not None,
+            quantized_linears=r.quantized_linears)
         self.lora_to_remove: set[int] = set()  # unloaded while requests still ran under them
         if self.info.default_sampling:
             log.info("sampling defaults for requests that set none (--generation-config %s): %s",
@@ -602,7 +607,7 @@ class LLMEngine:
             request_ids=[it.request.group_id for it in plan.items], num_preempted=len(plan.preempted),
             request_tokens=[it.num_tokens for it in plan.items],
             request_prefill=prefill,
-            preempted_ids=[r.group_id for r in plan.preempted],
+            preempted_ids=[r.group_id for r in plan.preempted], lora_ids=sorted(plan.lora_ids),
             kv_used_blocks=used_blocks, kv_used_slots=used_blocks * bs - empty,
             num_running=self.num_running, num_waiting=self.num_waiting,
             logical_tokens=sum(r.num_computed_tokens for r in self.scheduler.running), phases=phases,
@@ -625,11 +630,46 @@ class LLMEngine:
                                                                          for r in v)])
             if self.runner.lora is not None else (),
             lora_loaded=tuple(r.lora_name for r in self.runner.lora.loaded) if self.runner.lora is not None else (),
-            steps=self.scheduler.step_count)
+            steps=self.scheduler.step_count, lora_deferrals=self.scheduler.num_lora_deferrals)
 
     def activation_headroom(self, config: EngineConfig) -> int:
         """Bytes a step's activations may take at most under `config` (kept out of the KV budget)."""
         return self.runner.activation_headroom(config)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The loaded model (read-only use: inspecting its layers, as a user of HF's model would)."""
+        return self.runner.model
+
+    def lora_weights_held(self) -> set[int]:
+        """Adapter ids whose weights some layer of the model still holds (an unload must leave none)."""
+        if self.runner.lora is None:
+            return set()
+        return {lid for layer in self.runner.lora.layers for lin in layer.values() for lid in lin.stacked}
+
+    def kv_pool_is_zero(self) -> bool:
+        """Whether every KV cache tensor holds only zeros (a populated pool starts so)."""
+        return all(not t.any() for layer in self.runner.kv_caches for t in layer)
+
+    @torch.inference_mode()
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits [len, vocab] of every position of one prompt, straight through the model and the KV pool's
+        first blocks: to check the model against a reference (HF's logits) or measure perplexity. Outside the
+        scheduler, so only on an idle engine; the pool's cached prefixes are forgotten afterwards, since the
+        blocks it wrote were not allocated to anyone."""
+        from conveyor.model.attention import build_metadata
+
+        if self.has_unfinished_requests():
+            raise RuntimeError("prompt_logits needs an idle engine")
+        r = self.runner
+        if len(token_ids) > r.num_blocks * r.block_size:
+            raise ValueError("the prompt does not fit in the KV pool")
+        table = list(range(-(-len(token_ids) // r.block_size)))
+        meta = build_metadata([len(token_ids)], [len(token_ids)], [table], r.block_size, r.device, r.attention_backend)
+        hidden = r.model(torch.tensor(token_ids, device=r.device), torch.arange(len(token_ids), device=r.device),
+                         r.kv_caches, meta)
+        self.kv.pool.reset_cache()
+        return r.model.compute_logits(hidden)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block that no request holds (a cold start for tests and benchmarks)."""

@@ -114,6 +114,7 @@ class ModelRunner:
         # every op on the compiled CPU path gives a token a result that depends only on its own request
         # (tests/engine/test_batch_invariance.py); the torch reference path (CUDA, no compiler) does not
         linears = [m for m in self.model.modules() if isinstance(m, (PackedLinear, QuantizedLinear))]
+        self.quantized_linears = sum(1 for m in linears if isinstance(m, QuantizedLinear))
         self.batch_invariant = (self.attention_backend == "kernel" and bool(linears)
                                 and all(m.batch_invariant for m in linears))
         self.lora = None  # LoRAManager when adapters are enabled (conveyor/lora)
