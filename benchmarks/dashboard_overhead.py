@@ -28,7 +28,7 @@ import time
 
 import httpx
 
-from conveyor.bench.compare import cpu_name
+from conveyor.kernels.variants import cpu_name
 
 
 def free_port() -> int:

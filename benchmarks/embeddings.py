@@ -14,22 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 
 from conveyor import LLM, SamplingParams
+from conveyor.kernels.variants import cpu_name
 from conveyor.pooling import PoolingParams
 
 WORDS = ("the quick brown fox jumps over the lazy dog while batching requests together makes inference "
          "faster on every machine and paris is the capital of france").split()
-
-
-def cpu_model() -> str:
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def main() -> None:
@@ -57,8 +50,8 @@ def main() -> None:
             fn()
             times[name].append(time.perf_counter() - t)
     base = statistics.median(times["generate(max_tokens=1)"])
-    result = {"model": a.model, "cpu": cpu_model(), "inputs": a.inputs, "prompt_tokens": tokens, "configs": {}}
-    print(f"{a.model} on {cpu_model()}: {a.inputs} inputs, {tokens} prompt tokens, median of {a.rounds} rounds")
+    result = {"model": a.model, "cpu": cpu_name(), "inputs": a.inputs, "prompt_tokens": tokens, "configs": {}}
+    print(f"{a.model} on {cpu_name()}: {a.inputs} inputs, {tokens} prompt tokens, median of {a.rounds} rounds")
     for name, ts in times.items():
         med = statistics.median(ts)
         result["configs"][name] = {"seconds": med, "inputs_per_s": a.inputs / med, "tokens_per_s": tokens / med,

@@ -32,7 +32,7 @@ def main() -> int:
     work = args.out.parent / "engine-loop-runs"
     work.mkdir(parents=True, exist_ok=True)
     log = open(work / "servers.log", "a")
-    from conveyor.bench.compare import cpu_name
+    from conveyor.kernels.variants import cpu_name
 
     runs: dict[str, dict[str, list[dict]]] = {m: {lab: [] for lab in LOADS} for m in MODES}
     for k in range(args.rounds):

@@ -238,7 +238,7 @@ def main() -> int:
                 # a small pool first, so that the previous sweep's touched KV pages are not counted as held
                 engine.reset(replace(cfg, num_kv_blocks=max(64, -(-base.max_model_len // base.block_size))))
                 gc.collect()
-                held = psutil.Process().memory_info().rss + engine.runner.activation_headroom(cfg)
+                held = psutil.Process().memory_info().rss + engine.activation_headroom(cfg)
                 total = psutil.virtual_memory().total
                 small = [round((held + kv * 2**30) / total, 4) for kv in (0.15, 0.3, 0.6)]
                 knobs = {"gpu_memory_utilization": small + knobs["gpu_memory_utilization"]}

@@ -20,7 +20,7 @@ from conveyor import LLM, SamplingParams
 
 def run(llm: LLM, tiers: bool, args) -> dict[str, list[tuple[int, float]]]:
     eng = llm.engine
-    eng.kv.pool.reset_cache()
+    eng.reset_prefix_cache()
     rng = random.Random(0)
     vocab = eng.model_config.vocab_size
     prompt = lambda n: [rng.randrange(100, vocab) for _ in range(n)]

@@ -32,8 +32,8 @@ def build(kernel: str, running: int, context: int, steps: int):
     vocab = engine.model_config.vocab_size
     for _ in range(running):
         engine.add_request([rng.randrange(100, vocab) for _ in range(context)], params)
-    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.scheduler.requests.values()):
-        engine.step()
+    while (stats := engine.step().stats) is not None and stats.num_prefill_tokens:  # until the prompts are in
+        pass
     engine.step()
     return engine
 

@@ -34,7 +34,7 @@ import psutil
 import torch
 
 from conveyor import LLM, SamplingParams
-from conveyor.bench.compare import cpu_name
+from conveyor.kernels.variants import cpu_name
 from conveyor.lora import LoRARequest
 from conveyor.model.loader import load_checkpoint
 from conveyor.runner.model_runner import cpu_has_fast_bf16

@@ -277,7 +277,7 @@ def main() -> int:
     SIZES.update(prompt_words=args.prompt_words, output_tokens=args.output_tokens,
                  share_output_tokens=args.share_output_tokens,
                  quiet_output_tokens=args.quiet_output_tokens)
-    from conveyor.bench.compare import cpu_name
+    from conveyor.kernels.variants import cpu_name
 
     t_start = time.monotonic()
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -43,18 +43,18 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
 
     llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)  # warm-up
-    llm.engine.kv.pool.reset_cache()
+    llm.engine.reset_prefix_cache()
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     ours = time.perf_counter() - t0
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     result = {"conveyor_s": ours, "conveyor_out_tok_s": n_out / ours, "output_tokens": n_out,
-              "dtype": str(llm.engine.runner.dtype), "device": str(llm.engine.runner.device)}
+              "dtype": str(llm.engine.info.torch_dtype), "device": llm.engine.info.device}
     print(f"conveyor: {n_out} output tokens in {ours:.1f}s = {n_out / ours:.1f} tok/s "
           f"({result['dtype']} on {result['device']})")
 
     if not args.skip_hf:
-        hf = hf_model(args.model, llm.engine.runner.dtype)
+        hf = hf_model(args.model, llm.engine.info.torch_dtype)
         t0 = time.perf_counter()
         hf_out = 0
         for i in range(0, len(prompts), args.hf_batch_size):

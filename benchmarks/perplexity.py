@@ -2,7 +2,7 @@
 
 Perplexity is computed over a fixed English text that ships with every CPython (`pydoc_data.topics`,
 its topics joined in order), its first `--tokens` tokens in non-overlapping windows of `--window`,
-each window run as one prompt through the engine's own model runner, so attention reads K/V back
+each window run as one prompt through the engine (`LLMEngine.prompt_logits`), so attention reads K/V back
 from the (possibly int8) paged cache and the linear layers run the quantized kernels themselves
 (`CONVEYOR_QUANT_DENSE_ABOVE=none`: no dense copies, even for these 1,024-row steps).
 
@@ -29,7 +29,6 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from conveyor.llm import LLM  # noqa: E402
-from conveyor.model.attention import build_metadata  # noqa: E402
 from conveyor.sampling_params import SamplingParams  # noqa: E402
 
 CONFIGS = {  # name -> LLM kwargs
@@ -51,17 +50,11 @@ def corpus_ids(tokenizer, n: int) -> list[int]:
 
 @torch.inference_mode()
 def perplexity(llm: LLM, ids: list[int], window: int) -> tuple[float, int]:
-    runner = llm.engine.runner
-    bs = runner.block_size
-    table = list(range(-(-window // bs)))
     nll, count = 0.0, 0
     for start in range(0, len(ids) - window + 1, window):
         chunk = ids[start:start + window]
-        meta = build_metadata([window], [window], [table], bs, runner.device, runner.attention_backend)
-        hidden = runner.model(torch.tensor(chunk, device=runner.device), torch.arange(window, device=runner.device),
-                              runner.kv_caches, meta)
-        logits = runner.model.compute_logits(hidden[:-1])
-        nll += F.cross_entropy(logits, torch.tensor(chunk[1:], device=runner.device), reduction="sum").item()
+        logits = llm.engine.prompt_logits(chunk)[:-1]
+        nll += F.cross_entropy(logits, torch.tensor(chunk[1:], device=logits.device), reduction="sum").item()
         count += window - 1
     return math.exp(nll / count), count
 

@@ -46,7 +46,7 @@ def main() -> int:
     work = args.out.parent / "runs"
     work.mkdir(exist_ok=True)
     log = open(work / "servers.log", "a")
-    from conveyor.bench.compare import cpu_name
+    from conveyor.kernels.variants import cpu_name
     res: dict = {"cpu": cpu_name(), "cpu_flags": cpu_flags_of_interest(), "nproc": os.cpu_count(),
                  "weights": {}, "kv": {}, "kv_cache_memory_gib": args.kv_memory}
     parts = args.parts.split(",")

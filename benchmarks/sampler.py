@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from conveyor.bench.compare import cpu_name
+from conveyor.kernels.variants import cpu_name
 from conveyor.request import Request
 from conveyor.runner.sampler import sample
 from conveyor.sampling_params import SamplingParams

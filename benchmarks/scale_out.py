@@ -24,7 +24,7 @@ import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from conveyor.bench.compare import cpu_name
+from conveyor.kernels.variants import cpu_name
 
 SETUPS = {  # name: (what it is, flags)
     "single": ("1 server, 2 threads", []),

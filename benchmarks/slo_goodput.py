@@ -67,7 +67,7 @@ def capacity(engine: LLMEngine, spec: WorkloadSpec, vocab: int, seconds: float, 
     sent = done = tokens = 0
     steps = []
     while time.monotonic() - t0 < warmup + seconds:
-        while len(engine.scheduler.requests) < depth:
+        while engine.num_running + engine.num_waiting < depth:
             submit(engine, f"cap-{sent}", pool[sent % len(pool)], time.monotonic())
             sent += 1
         out = engine.step()

@@ -101,7 +101,7 @@ def main() -> int:
     args = ap.parse_args()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     log = open(args.out.parent / "servers.log", "a")
-    from conveyor.bench.compare import cpu_name
+    from conveyor.kernels.variants import cpu_name
     results: dict = {"cpu": cpu_name(), "nproc": os.cpu_count(), "configs": {}}
     for name in args.configs.split(","):
         spec = CONFIGS[name]

@@ -42,8 +42,8 @@ def main() -> None:
     for _ in range(args.running):
         engine.add_request([rng.randrange(100, vocab) for _ in range(args.context)], params)
     t0 = time.perf_counter()
-    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.scheduler.requests.values()):
-        engine.step()
+    while (stats := engine.step().stats) is not None and stats.num_prefill_tokens:  # until the prompts are in
+        pass
     prefill_s = time.perf_counter() - t0
     engine.step()  # warm-up decode
     before = dict(engine.phase_seconds)
@@ -58,7 +58,7 @@ def main() -> None:
             engine.step()
     dt = (time.perf_counter() - t0) / args.steps
     spent = {k: v - before[k] for k, v in engine.phase_seconds.items()}
-    print(f"{engine.runner.dtype} threads={torch.get_num_threads()} running={engine.num_running} "
+    print(f"{engine.info.torch_dtype} threads={torch.get_num_threads()} running={engine.num_running} "
           f"context~{args.context}: prefill {prefill_s:.2f}s ({args.running * args.context / prefill_s:.0f} tok/s), "
           f"decode step {dt * 1e3:.1f} ms ({engine.num_running / dt:.0f} tok/s)")
     total = sum(spent.values())

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 
 from conveyor import LLM, SamplingParams, StructuredOutputsParams
+from conveyor.kernels.variants import cpu_name
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 40},
@@ -29,17 +29,10 @@ SCHEMA = {"type": "object", "properties": {
     "required": ["name", "age", "city", "hobbies", "employed"], "additionalProperties": False}
 
 
-def cpu_model() -> str:
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
-
-
 def run(llm: LLM, batch: int, structured: int, max_tokens: int) -> dict:
     eng = llm.engine
     eng.phase_seconds = dict.fromkeys(eng.phase_seconds, 0.0)
-    steps0 = eng.scheduler.step_count
+    steps0 = eng.snapshot().steps
     so = StructuredOutputsParams(json=SCHEMA)
     convs = [[{"role": "user", "content": f"Describe person number {i} (name, age, city, hobbies, employed) "
                                           f"as JSON."}] for i in range(batch)]
@@ -49,7 +42,7 @@ def run(llm: LLM, batch: int, structured: int, max_tokens: int) -> dict:
     outs = llm.chat(convs, params, use_tqdm=False)
     elapsed = time.perf_counter() - t
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    steps = eng.scheduler.step_count - steps0
+    steps = eng.snapshot().steps - steps0
     ph = eng.phase_seconds
     valid = 0
     for o in outs[:structured]:
@@ -90,7 +83,7 @@ def main() -> None:
         print(f"{name}: {summary[name]['tok_s'] / base:.3f}x the throughput of none")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"cpu": cpu_model(), "args": vars(args), "engine": {
+            json.dump({"cpu": cpu_name(), "args": vars(args), "engine": {
                 "dtype": llm.engine.info.dtype, "weights": llm.engine.info.weight_dtype},
                 "summary": summary, "runs": results}, f, indent=1)
 

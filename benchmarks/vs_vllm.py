@@ -274,7 +274,7 @@ def main() -> int:
     if args.report_only:
         report(json.loads(args.out.read_text()))
         return 0
-    from conveyor.bench.compare import cpu_name
+    from conveyor.kernels.variants import cpu_name
     from conveyor.model.loader import load_checkpoint
     args.out.parent.mkdir(parents=True, exist_ok=True)
     work = args.out.parent / "runs"

@@ -3,7 +3,25 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
+
+# The allowed values of the options that take a fixed set: declared here once; `EngineConfig` checks
+# them, the CLI offers them (conveyor/engine/args.py), and the model and runner read their names from here.
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+DEVICES = ("auto", "cpu", "cuda")
+QUANTIZATIONS = ("int8", "int4")  # weight-only (conveyor/model/quantization.py)
+KV_CACHE_DTYPES = ("auto", "int8")
+ATTENTION_BACKENDS = ("auto", "kernel", "torch")  # conveyor/model/attention.py
+CHOICES: dict[str, tuple[str, ...]] = {"dtype": DTYPES, "device": DEVICES, "quantization": QUANTIZATIONS,
+                                       "kv_cache_dtype": KV_CACHE_DTYPES, "attention_backend": ATTENTION_BACKENDS}
+
+
+def check_choice(name: str, value: object, choices: tuple[str, ...], optional: bool = False) -> None:
+    """A ValueError naming `name` unless `value` is one of `choices` (or None, when `optional`)."""
+    if value in choices or (optional and value is None):
+        return
+    listed = ", ".join(choices[:-1]) + " or " + choices[-1] if len(choices) > 1 else choices[0]
+    raise ValueError(f"{name} must be {listed}{' (or unset)' if optional else ''}, got {value!r}")
 
 
 def json_object(value: dict | str, what: str) -> dict:
@@ -22,8 +40,8 @@ def json_object(value: dict | str, what: str) -> dict:
 class EngineConfig:
     model: str = "smollm2-135m"
     tokenizer: str | None = None
-    dtype: str = "auto"  # auto | bfloat16 | float16 | float32
-    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # one of DTYPES; auto: bf16 on CUDA or a CPU with fast bf16, else fp32
+    device: str = "auto"  # one of DEVICES
     block_size: int = 16
     kv_cache_memory: float | None = None  # GiB; None: a fraction of free memory
     kv_cache_memory_fraction: float = 0.5  # of free memory, used when neither budget below is given
@@ -50,10 +68,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     admission_reserve: bool = False  # admit only if prompt + remaining output fits (mini-sglang style)
     seed: int | None = 0  # seeds the generator that sampled requests without their own seed draw from
-    quantization: str | None = None  # None | int8 | int4: weight-only (conveyor/model/quantization.py)
-    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8
+    quantization: str | None = None  # None or one of QUANTIZATIONS
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES: auto (the model's dtype) or int8
     kv_cache_populate: bool = False  # CPU: fault the pool's pages in at startup (servers: on, see `serve`)
-    attention_backend: str = "auto"  # auto | kernel | torch (see conveyor/model/attention.py)
+    attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
     threads: int | None = None  # torch compute threads; None: one per physical core (CPU)
     served_model_name: str | None = None
     generation_config: str = "auto"  # auto | vllm | a folder: sampling defaults (model/loader.py)
@@ -63,7 +81,7 @@ class EngineConfig:
     max_loras: int = 1  # distinct adapters in one step
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # adapters kept loaded (LRU); None: max_loras
-    extra: dict = field(default_factory=dict)
+    packed_linear: bool = True  # CPU: linears in the packed kernels' layout where they apply (model/packed_linear.py)
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -72,26 +90,17 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        from conveyor.scheduler.policies import POLICIES  # here: the scheduler package imports this module
-
-        if self.scheduler not in POLICIES:
-            raise ValueError(f"scheduler must be one of {tuple(POLICIES)}, got {self.scheduler!r}")
-        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
-            raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        # `scheduler` names a policy of conveyor/scheduler/policies.py, which checks it (`check_scheduler`):
+        # this module sits below the scheduler package, which imports it
+        defaults = {f.name: f.default for f in fields(self)}
+        for name, choices in CHOICES.items():
+            check_choice(name, getattr(self, name), choices, optional=defaults[name] is None)
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         for name in ("slo_ttft_ms", "slo_tpot_ms"):
             v = getattr(self, name)
             if v is not None and not v > 0:
                 raise ValueError(f"{name} must be > 0 ms, got {v}")
-        if self.attention_backend not in ("auto", "kernel", "torch"):
-            raise ValueError(f"attention_backend must be auto, kernel or torch, got {self.attention_backend!r}")
-        if self.quantization not in (None, "int8", "int4"):
-            raise ValueError(f"quantization must be int8 or int4 (or unset), got {self.quantization!r}")
-        if self.kv_cache_dtype not in ("auto", "int8"):
-            raise ValueError(f"kv_cache_dtype must be auto or int8, got {self.kv_cache_dtype!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:

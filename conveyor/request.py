@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conveyor.lora.request import LoRARequest
+from conveyor.outputs import FinishReason
 from conveyor.pooling import PoolingParams
 from conveyor.sampling_params import SamplingParams
 
@@ -50,7 +51,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
     status: Status = Status.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
 

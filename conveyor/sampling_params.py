@@ -76,6 +76,14 @@ class StructuredOutputsParams:
         return LLMatcher.grammar_from_lark(self.grammar)
 
 
+class ParamError(ValueError):
+    """A bad request parameter: `param` names it (OpenAI's error `param`), and the message starts with it."""
+
+    def __init__(self, param: str, why: str) -> None:
+        super().__init__(f"{param} {why}")
+        self.param = param
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling settings (names and meanings follow vLLM / OpenAI)."""
@@ -108,8 +116,8 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"{name} {why}")
+        def bad(name: str, why: str) -> ParamError:
+            return ParamError(name, why)
 
         def finite(name: str, value: float) -> None:
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
@@ -166,6 +174,12 @@ class SamplingParams:
 
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", "must be a StructuredOutputsParams")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise ParamError if `logit_bias` names a token the model does not have: the one check, made by
+        the HTTP side (a 400) and by the engine (offline callers), which both know `vocab_size`."""
+        if self.logit_bias and any(t >= vocab_size for t in self.logit_bias):
+            raise ParamError("logit_bias", f"keys must be token ids in [0, {vocab_size})")
 
     @property
     def greedy(self) -> bool:

@@ -109,18 +109,19 @@ def test_bench_run_help_shows_client_flags_first_and_the_default_url():
 
 def test_engine_flags_round_trip_into_the_config():
     """Every engine flag lands in its EngineConfig field; the defaults are EngineConfig's."""
-    from conveyor.cli import build_parser, engine_config_from_args
+    from conveyor.cli import build_parser
     from conveyor.config import EngineConfig
+    from conveyor.engine.args import engine_config_from_args
     from conveyor.scheduler.policies import all_options
 
     args = build_parser().parse_args(["serve"])
     cli_defaults = {o.name: o.cli_default for o in all_options() if o.cli_default is not None}
     assert engine_config_from_args(args) == EngineConfig(**cli_defaults)
-    assert engine_config_from_args(args, populate_default=True).kv_cache_populate is True
+    assert engine_config_from_args(args, {"kv_cache_populate": True}).kv_cache_populate is True
     args = build_parser().parse_args(["serve", "--max-num-seqs", "7", "--no-enable-prefix-caching", "--scheduler",
                                       "static", "--batch-size", "3", "-q", "int8", "--no-kv-cache-populate",
                                       "--kv-cache-memory", "0.5", "--threads", "2", "--admission-reserve"])
-    cfg = engine_config_from_args(args, populate_default=True, served_model_name="m")
+    cfg = engine_config_from_args(args, {"kv_cache_populate": True}, served_model_name="m")
     assert (cfg.max_num_seqs, cfg.enable_prefix_caching, cfg.scheduler, cfg.batch_size, cfg.quantization,
             cfg.kv_cache_populate, cfg.kv_cache_memory, cfg.threads, cfg.admission_reserve,
             cfg.served_model_name) == (7, False, "static", 3, "int8", False, 0.5, 2, True, "m")

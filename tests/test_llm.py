@@ -106,7 +106,7 @@ def test_engine_is_empty_after_generate(llm):
     llm.generate(["one", "two", "three"], greedy(4), use_tqdm=False)
     eng = llm.engine
     assert not eng.has_unfinished_requests()
-    assert eng.kv.pool.num_free == eng.kv.num_blocks
+    assert eng.snapshot().kv_blocks_used == 0
 
 
 # --- validation ---------------------------------------------------------------------------------------
@@ -173,11 +173,17 @@ def test_max_model_len_beyond_the_models_context(tiny_llama):
         LLM(str(tiny_llama), dtype="float32", num_kv_blocks=256, max_model_len=2048)
 
 
-@pytest.mark.parametrize("field,value", [("scheduler", "fifo"), ("block_size", 3), ("max_num_seqs", 0),
+@pytest.mark.parametrize("field,value", [("block_size", 3), ("max_num_seqs", 0),
                                          ("max_num_batched_tokens", 0), ("dtype", "int8"), ("device", "tpu")])
 def test_bad_engine_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         EngineConfig(**{field: value})
+
+
+def test_an_unknown_scheduler_is_refused_before_the_model_loads():
+    """The policy table (scheduler/) sits above config.py, so the engine checks the name, first thing."""
+    with pytest.raises(ValueError, match="scheduler must be one of"):
+        LLM("/no/such/model", scheduler="fifo")
 
 
 def test_static_batch_runs_parallel_samples_together(tiny_llama):

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from conveyor import LLM, SamplingParams
-from conveyor.model.attention import build_metadata
 from tests.conftest import needs_smollm2
 from tests.hf_reference import hf_greedy, hf_logits, hf_model_from_gguf
 
@@ -60,7 +59,7 @@ def test_greedy_tokens_match_hf_on_the_same_gguf(smol, hf_smol):
 def smol_reference():
     """The pure-torch path: reference attention, RMSNorm, RoPE, SiLU and plain F.linear."""
     return LLM("smollm2-135m", dtype="float32", num_kv_blocks=64, max_model_len=512,
-               attention_backend="torch", extra={"packed_linear": False})
+               attention_backend="torch", packed_linear=False)
 
 
 # The reference path computes what HF computes, op for op, so its logits agree to the bit (asserted
@@ -71,16 +70,9 @@ def smol_reference():
 def test_prefill_logits_match_hf(path, atol, request, hf_smol):
     llm = request.getfixturevalue("smol" if path == "fast" else "smol_reference")
     ids = llm.apply_chat_template(CONVERSATIONS[0])
-    runner = llm.engine.runner
-    assert runner.attention_backend == ("kernel" if path == "fast" else "torch") or runner.device.type != "cpu"
-    assert not llm.engine.has_unfinished_requests()
-    table = list(range(-(-len(ids) // runner.block_size)))
-    meta = build_metadata([len(ids)], [len(ids)], [table], runner.block_size, runner.device,
-                          runner.attention_backend)
-    with torch.inference_mode():
-        hidden = runner.model(torch.tensor(ids), torch.arange(len(ids)), runner.kv_caches, meta)
-        got = runner.model.compute_logits(hidden)
-    llm.engine.kv.pool.reset_cache()
+    info = llm.engine.info
+    assert info.attention_backend == ("kernel" if path == "fast" else "torch") or info.device != "cpu"
+    got = llm.engine.prompt_logits(ids)
     torch.testing.assert_close(got, hf_logits(hf_smol, ids), atol=atol, rtol=0)
 
 
@@ -99,7 +91,7 @@ def test_outputs_do_not_change_in_a_crowd(monkeypatch):
 
     eng = LLMEngine(EngineConfig(model="smollm2-135m", max_model_len=1024, kv_cache_memory=1.0,
                                  max_num_batched_tokens=512))
-    if not eng.runner.batch_invariant:
+    if not eng.info.batch_invariant:
         pytest.skip("the engine reports batch-invariant outputs: no, on this CPU")
     rng = random.Random(5)
     probes = {f"probe{i}": [rng.randrange(100, 49000) for _ in range(rng.randrange(20, 200))] for i in range(8)}
@@ -119,7 +111,7 @@ def test_outputs_do_not_change_in_a_crowd(monkeypatch):
         alone.update(run(eng, {rid: ids}, {}, False, {}))
     alone_top1 = {rid: list(seen[rid]) for rid in probes}
     seen.clear()
-    eng.kv.pool.reset_cache()
+    eng.reset_prefix_cache()
     crowded = run(eng, probes, crowd, False, {})
     for rid in probes:
         assert crowded[rid] == alone[rid], rid

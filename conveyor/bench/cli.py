@@ -22,10 +22,11 @@ import sys
 import time
 from pathlib import Path
 
+from conveyor.argparsing import CliParser, document
 from conveyor.bench.lora import add_lora_args
 from conveyor.bench.stress import add_stress_parser, cmd_stress
 from conveyor.bench.workloads import WORKLOADS, WorkloadSpec
-from conveyor.cli import CliParser, add_engine_args, document, engine_config_from_args
+from conveyor.engine.args import add_engine_args, engine_config_from_args
 from conveyor.scheduler.policies import POLICIES, default_strategies
 
 log = logging.getLogger("conveyor.bench")
@@ -66,8 +67,6 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: system prompt tokens")
     g.add_argument("--num-prefixes", type=int, default=1,
                    help="shared-prefix: distinct system prompts, taken in turn by the requests")
-    g.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT service-level objective")
-    g.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT service-level objective")
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of inter-arrivals (1 = Poisson)")
     g.add_argument("--timeout", type=float, default=600.0, help="seconds before a run cancels what is left")
     g.add_argument("--no-progress", dest="progress", action="store_false")
@@ -94,7 +93,7 @@ def workload_from_args(args: argparse.Namespace) -> WorkloadSpec:
 
 def lab_engine_config(args: argparse.Namespace):
     """The engine flags plus the lab's own: an exact KV pool size."""
-    return engine_config_from_args(args, populate_default=True, num_kv_blocks=args.num_kv_blocks)
+    return engine_config_from_args(args, {"kv_cache_populate": True}, num_kv_blocks=args.num_kv_blocks)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -273,7 +272,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if loras:
             bench_lora.preload(engine, loras)
         backend, cfg, max_len = EngineBackend(engine, loras), engine.model_config, engine.max_model_len
-        dtype, device, pid = engine.runner.dtype, engine.runner.device, None
+        dtype, device, pid = engine.info.torch_dtype, engine.info.torch_device, None
         meta["strategy"] = config.scheduler
     else:
         from conveyor.bench.http_backend import HttpBackend, find_listening_pid

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import platform
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -27,6 +26,7 @@ from conveyor.bench.stats import FlopModel, measure_peak_flops
 from conveyor.bench.workloads import WorkloadSpec, generate
 from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
+from conveyor.kernels.variants import cpu_name
 from conveyor.sampling_params import SamplingParams
 from conveyor.scheduler.policies import POLICIES, default_strategies, no_batching_base, policy_options
 
@@ -88,7 +88,8 @@ def warm_up(engine: LLMEngine, base: EngineConfig, vocab_size: int) -> None:
 def run_compare(engine: LLMEngine, base: EngineConfig, spec: CompareSpec, progress: bool = True) -> CompareResults:
     """Run the whole plan: one result per (strategy, rate)."""
     flop_model = FlopModel.from_config(engine.model_config)
-    measure = lambda: measure_peak_flops(engine.runner.dtype, engine.runner.device, n=spec.peak_matmul_size)
+    measure = lambda: measure_peak_flops(engine.info.torch_dtype, engine.info.torch_device,
+                                         n=spec.peak_matmul_size)
     peaks = [measure()]
     vocab = engine.model_config.vocab_size
     requests = generate(spec.workload, vocab, engine.max_model_len)
@@ -120,9 +121,9 @@ def run_compare(engine: LLMEngine, base: EngineConfig, spec: CompareSpec, progre
     return CompareResults(
         spec=_spec_dict(spec),
         setup={
-            "model": base.model, "dtype": str(engine.runner.dtype).removeprefix("torch."),
-            "device": str(engine.runner.device), "torch_threads": torch.get_num_threads(),
-            "cpu": cpu_name(), "num_cpus": psutil.cpu_count(), "num_kv_blocks": engine.runner.num_blocks,
+            "model": base.model, "dtype": engine.info.dtype,
+            "device": engine.info.device, "torch_threads": torch.get_num_threads(),
+            "cpu": cpu_name(), "num_cpus": psutil.cpu_count(), "num_kv_blocks": engine.info.num_kv_blocks,
             "block_size": base.block_size, "max_model_len": engine.max_model_len,
             "peak_flops_per_s": peak, "peak_flops_samples": peaks,
             "model_flops_per_token": 2 * flop_model.linear_params,
@@ -132,17 +133,6 @@ def run_compare(engine: LLMEngine, base: EngineConfig, spec: CompareSpec, progre
         },
         runs=runs,
     )
-
-
-def cpu_name() -> str:
-    """The CPU model as /proc/cpuinfo names it (platform.processor() is empty on Linux)."""
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def set_peak(res: RunResult, peak: float) -> None:

@@ -96,7 +96,8 @@ class EngineBackend:
     def _on_output(self, out: LoopOutput) -> None:
         if out.snapshot is not None:
             self._last_snapshot = out.snapshot
-        for rid, message in out.failed:
+        for failed in out.failed:
+            rid, message = failed.request_id, failed.message
             live = self._live.pop(rid, None)
             if live is not None:
                 self._resolve(live[1], exc=ValueError(message))
@@ -112,7 +113,7 @@ class EngineBackend:
                 rec.output_len += len(d.new_token_ids)
             if d.finished:
                 rec.end = out.time
-                rec.cached_tokens = d.extra.get("num_cached_tokens", 0)
+                rec.cached_tokens = d.num_cached_tokens
                 if d.finish_reason == "abort":
                     rec.error = "aborted"
                 del self._live[d.group_id]

@@ -82,7 +82,7 @@ def preload(engine, loras: dict[str, LoRARequest]) -> None:
         raise ValueError("--lora-modules needs --enable-lora")
     for lora in loras.values():
         engine.load_lora(lora)
-    keep = engine.runner.lora.max_cpu_loras
+    keep = engine.config.max_cpu_loras or engine.config.max_loras  # as the engine's LoRA manager keeps
     if len(loras) > keep:
         log.warning("%d adapters but --max-cpu-loras %d: adapters no request holds are dropped and loaded "
                     "again from disk during the run", len(loras), keep)

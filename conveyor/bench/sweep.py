@@ -26,7 +26,7 @@ from pathlib import Path
 
 import psutil
 
-from conveyor.bench.compare import cpu_name, set_peak, warm_up
+from conveyor.bench.compare import set_peak, warm_up
 from conveyor.bench.engine_backend import EngineBackend, run_on_this_thread
 from conveyor.bench.loadgen import LoadPattern
 from conveyor.bench.run import run_once
@@ -34,6 +34,7 @@ from conveyor.bench.stats import FlopModel, measure_peak_flops, measure_read_ban
 from conveyor.bench.workloads import WorkloadSpec, generate
 from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
+from conveyor.kernels.variants import cpu_name
 
 log = logging.getLogger("conveyor.bench")
 
@@ -106,16 +107,14 @@ def run_point(engine: LLMEngine, cfg: EngineConfig, requests, load: LoadPattern,
     mbu = None
     if bandwidth and res.duration_s > 0:
         # every step reads all the weights once, and each running sequence's K and V of its context
-        runner = engine.runner
-        weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-        weight_bytes += sum(b.numel() * b.element_size() for b in runner.model.buffers())
-        kv_per_token = runner.bytes_per_block / runner.block_size
+        info = engine.info
+        kv_per_token = info.bytes_per_block / info.block_size
         steps = [s for s in backend.steps if s.num_tokens]
-        read = len(steps) * weight_bytes + kv_per_token * sum(s.logical_tokens for s in steps)
+        read = len(steps) * info.weight_bytes + kv_per_token * sum(s.logical_tokens for s in steps)
         mbu = read / (res.duration_s * bandwidth)
     log.info("%s: %.1f output tok/s, TTFT p99 %.2fs, TPOT p50 %.1f ms, %d/%d ok", label, res.output_throughput,
              res.ttft_s.p99 or float("nan"), 1e3 * (res.tpot_s.p50 or float("nan")), res.completed, res.num_requests)
-    return SweepPoint(knobs, out, engine.runner.num_blocks, engine.runner.block_size, rss_gib=rss / 2**30, mbu=mbu)
+    return SweepPoint(knobs, out, engine.info.num_kv_blocks, engine.info.block_size, rss_gib=rss / 2**30, mbu=mbu)
 
 
 def run_sweep(engine: LLMEngine, base: EngineConfig, spec: SweepSpec, progress: bool = True) -> dict:
@@ -123,8 +122,8 @@ def run_sweep(engine: LLMEngine, base: EngineConfig, spec: SweepSpec, progress: 
     flop_model = FlopModel.from_config(engine.model_config)
     requests = generate(spec.workload, engine.model_config.vocab_size, engine.max_model_len)
     warm_up(engine, base, engine.model_config.vocab_size)
-    peak = measure_peak_flops(engine.runner.dtype, engine.runner.device)
-    bandwidth = measure_read_bandwidth() if engine.runner.device.type == "cpu" else None
+    peak = measure_peak_flops(engine.info.torch_dtype, engine.info.torch_device)
+    bandwidth = measure_read_bandwidth() if engine.info.torch_device.type == "cpu" else None
     load = LoadPattern(concurrency=spec.concurrency, request_rate=spec.request_rate, seed=spec.workload.seed,
                        timeout_s=spec.timeout_s)
     points = spec.points()
@@ -137,8 +136,8 @@ def run_sweep(engine: LLMEngine, base: EngineConfig, spec: SweepSpec, progress: 
     engine.reset(base)
     return {
         "spec": {**asdict(spec), "request_rate": "inf" if spec.request_rate == float("inf") else spec.request_rate},
-        "setup": {"model": base.model, "dtype": str(engine.runner.dtype).removeprefix("torch."),
-                  "device": str(engine.runner.device), "cpu": cpu_name(), "num_cpus": psutil.cpu_count(),
+        "setup": {"model": base.model, "dtype": engine.info.dtype,
+                  "device": engine.info.device, "cpu": cpu_name(), "num_cpus": psutil.cpu_count(),
                   "base_config": {k: getattr(base, k) for k in SWEEPABLE}, "peak_flops_per_s": peak,
                   "read_bandwidth_bytes_per_s": bandwidth,
                   "total_wall_s": time.monotonic() - t0,

@@ -153,7 +153,7 @@ class Tuner:
             return None
         if self.peak is None:
             warm_up(self.engine, self.base, self.engine.model_config.vocab_size)
-            self.peak = measure_peak_flops(self.engine.runner.dtype, self.engine.runner.device)
+            self.peak = measure_peak_flops(self.engine.info.torch_dtype, self.engine.info.torch_device)
         requests = self.short_requests if stage == "short" else self.full_requests
         s = self.spec
         load = LoadPattern(concurrency=s.concurrency, request_rate=s.request_rate, seed=s.workload.seed,

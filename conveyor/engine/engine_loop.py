@@ -28,6 +28,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import EngineInfo, EngineSnapshot, KVMap, LLMEngine, StepStats
@@ -45,17 +46,21 @@ IDLE_POLL_S = 0.001  # a step scheduled nothing (a batcher holds a partial batch
 # --- messages -------------------------------------------------------------------------------------
 @dataclass
 class AddRequest:
+    """One engine request, the same record from the HTTP layer (`AsyncEngine.submit`) or the lab to the
+    engine loop: a prompt's token ids and how to sample `params.n` continuations of it."""
+
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0
-    arrival_time: float | None = None  # time.monotonic(): the same clock in every process on Linux
-    cache_salt: str | None = None
-    pooling: PoolingParams | None = None  # an embedding request (conveyor/pooling.py)
-    tenant: str | None = None  # None: the default tenant
-    slo_ttft_s: float | None = None  # None: the engine's default target, if any
+    cache_salt: str | None = None  # prefix-cache isolation: only requests with the same salt share blocks
+    pooling: PoolingParams | None = None  # an embedding request: pooled, not sampled (conveyor/pooling.py)
+    tenant: str | None = None  # who it is served for (None: the default tenant)
+    slo_ttft_s: float | None = None  # latency targets (None: the engine's defaults, if any)
     slo_tpot_s: float | None = None
-    lora_request: LoRARequest | None = None
+    lora_request: LoRARequest | None = None  # the adapter the request's `model` names (None: the base model)
+    # time.monotonic() (the same clock in every process on Linux); None: when the engine takes it in
+    arrival_time: float | None = None
 
 
 @dataclass
@@ -108,18 +113,49 @@ class Stop:
 Command = AddRequest | AbortRequest | EndInput | SnapshotKV | SetScheduler | Stop | UnloadLoRA
 
 
+@dataclass(frozen=True)
+class FailedAdd:
+    """An `AddRequest` the engine refused (validated by the caller first, so a bug or a race)."""
+
+    request_id: str
+    message: str  # "TypeName: message"
+
+
 @dataclass
 class LoopOutput:
     deltas: list[StepDelta]
     stats: StepStats | None  # the step's, if one ran
     snapshot: EngineSnapshot
     time: float  # time.monotonic() when the step returned: when its tokens exist
-    failed: list[tuple[str, str]] = field(default_factory=list)  # adds refused: (request_id, message)
+    failed: list[FailedAdd] = field(default_factory=list)  # adds refused
     added: int = 0  # sequences whose add command the engine took in (counted for queue limits)
     error: str | None = None  # the engine died with this; nothing more will come
     final: bool = False  # the loop has ended
     kv_map: KVMap | None = None  # when a `SnapshotKV` asked for one
     switched: list[SchedulerSwitch] = field(default_factory=list)  # `SetScheduler` commands handled
+
+
+@dataclass(frozen=True)
+class EngineReady:
+    """The engine process's first message: the engine is built, and this is what it was built with."""
+
+    info: EngineInfo
+
+
+@dataclass(frozen=True)
+class EngineFailed:
+    """The engine process's first message when building the engine raised: why ("TypeName: message")."""
+
+    message: str
+
+
+class LoopState(StrEnum):
+    """What one `EngineLoop.tick()` did."""
+
+    RAN = "ran"  # a step ran
+    HELD = "held"  # there is work, but the policy scheduled nothing (a batcher holds a partial batch)
+    IDLE = "idle"  # no work
+    STOPPED = "stopped"  # a `Stop` came: the loop has ended
 
 
 # --- the loop -------------------------------------------------------------------------------------
@@ -145,7 +181,7 @@ class EngineLoop:
                               tenant=cmd.tenant, slo_ttft_s=cmd.slo_ttft_s, slo_tpot_s=cmd.slo_tpot_s,
                               lora_request=cmd.lora_request)
             except Exception as exc:  # validated by the caller, so a bug or a race: keep the engine alive
-                out.failed.append((cmd.request_id, f"{type(exc).__name__}: {exc}"))
+                out.failed.append(FailedAdd(cmd.request_id, f"{type(exc).__name__}: {exc}"))
         elif isinstance(cmd, AbortRequest):
             out.deltas.extend(e.abort_request(cmd.request_id))
         elif isinstance(cmd, EndInput):
@@ -181,9 +217,9 @@ class EngineLoop:
         out.time = time.monotonic()
         self.emit(out)
 
-    def tick(self, wait: bool = True) -> str:
-        """Take commands and run one step if there is work: 'ran', 'held' (the policy scheduled
-        nothing), 'idle' or 'stopped'. `wait`: block for commands while idle (False: never block)."""
+    def tick(self, wait: bool = True) -> LoopState:
+        """Take commands and run one step if there is work. `wait`: block for commands while idle
+        (False: never block)."""
         e = self.engine
         out = LoopOutput([], None, None, 0.0)
         if not wait:
@@ -197,11 +233,11 @@ class EngineLoop:
         if not going:
             out.final = True
             self._send(out)
-            return "stopped"
+            return LoopState.STOPPED
         if not e.has_unfinished_requests():
             if handled:
                 self._send(out)  # commands changed the idle engine (or an add failed): say so
-            return "idle"
+            return LoopState.IDLE
         step = e.step()
         out.deltas.extend(step.deltas)
         out.stats = step.stats
@@ -209,9 +245,9 @@ class EngineLoop:
         out.final = not going
         self._send(out)
         if not going:
-            return "stopped"
+            return LoopState.STOPPED
         self._nap = step.stats is None
-        return "ran" if step.stats is not None else "held"
+        return LoopState.RAN if step.stats is not None else LoopState.HELD
 
     def fail(self, exc: BaseException) -> None:
         """Report the engine dead (a step raised): a last output carrying the error."""
@@ -224,7 +260,7 @@ class EngineLoop:
 
     def run(self) -> None:
         try:
-            while self.tick() != "stopped":
+            while self.tick() is not LoopState.STOPPED:
                 pass
         except BaseException as exc:  # noqa: BLE001 - anything that escapes a step kills the engine
             self.fail(exc)
@@ -350,16 +386,17 @@ def dump_stacks_on_sigusr1() -> None:
 
 
 def _process_main(config: EngineConfig, conn, log_level: int) -> None:
-    """The engine process: build, say `ready` with the engine's info, then run the loop on the pipe."""
+    """The engine process: build, say `EngineReady` with the engine's info (or `EngineFailed`), then run
+    the loop on the pipe."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent stops us
     dump_stacks_on_sigusr1()
     try:
         engine = LLMEngine(config)
     except BaseException as e:  # noqa: BLE001 - sent to the parent, which raises it
-        conn.send(("error", f"{type(e).__name__}: {e}"))
+        conn.send(EngineFailed(f"{type(e).__name__}: {e}"))
         return
-    conn.send(("ready", engine.info))
+    conn.send(EngineReady(engine.info))
     lock = threading.Lock()
 
     def get(timeout: float | None) -> Command | None:
@@ -403,13 +440,13 @@ class ProcessEngineClient(EngineClient):
             self.terminate()
             raise RuntimeError(f"the engine process did not start within {ready_timeout_s:.0f}s")
         try:
-            kind, payload = self._conn.recv()
+            hello: EngineReady | EngineFailed = self._conn.recv()
         except EOFError:
             raise RuntimeError(f"the engine process exited with code {self.process.exitcode} while loading") from None
-        if kind == "error":
+        if isinstance(hello, EngineFailed):
             self.process.join(5)
-            raise ValueError(payload)
-        self.info = payload
+            raise ValueError(hello.message)
+        self.info = hello.info
         self._reader = threading.Thread(target=self._read, name="conveyor-engine-reader", daemon=True)
 
     def start(self) -> None:
@@ -479,14 +516,14 @@ class InlineEngineClient(EngineClient):
         try:
             while True:
                 state = loop.tick(wait=False)
-                if state == "stopped":
+                if state is LoopState.STOPPED:
                     return
-                if state == "ran":
+                if state is LoopState.RAN:
                     await asyncio.sleep(0)  # let the HTTP side run between steps
                     continue
                 self._wake.clear()
                 try:
-                    await asyncio.wait_for(self._wake.wait(), IDLE_POLL_S if state == "held" else 1.0)
+                    await asyncio.wait_for(self._wake.wait(), IDLE_POLL_S if state is LoopState.HELD else 1.0)
                 except asyncio.TimeoutError:
                     pass
         except Exception as exc:

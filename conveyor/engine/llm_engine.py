@@ -34,13 +34,14 @@ from conveyor.kv_cache import KVCacheManager
 from conveyor.lora.adapter import LoRASpec
 from conveyor.lora.request import LoRARequest
 from conveyor.model.loader import default_sampling, load_checkpoint
-from conveyor.outputs import StepDelta
+from conveyor.outputs import FinishReason, StepDelta
 from conveyor.pooling import PooledOutput, PoolingParams
 from conveyor.request import Request, sequence_ids
 from conveyor.runner.model_runner import ModelRunner
+from conveyor.runner.sampler import SampleResult
 from conveyor.sampling_params import SamplingParams
 from conveyor.scheduler.core import Scheduler, Step
-from conveyor.scheduler.policies import POLICIES, coerce_options, make_policy
+from conveyor.scheduler.policies import POLICIES, check_scheduler, coerce_options, make_policy
 
 log = logging.getLogger("conveyor.engine")
 
@@ -71,6 +72,7 @@ class StepStats:
     request_tokens: list[int] = field(default_factory=list)  # tokens each of `request_ids` got in this step
     request_prefill: list[bool] = field(default_factory=list)  # whether that was prompt (a chunk) or a decode
     preempted_ids: list[str] = field(default_factory=list)  # requests this step pushed back to the queue
+    lora_ids: list[int] = field(default_factory=list)  # the distinct adapters (int ids) this step ran
 
     @property
     def end(self) -> float:
@@ -112,6 +114,8 @@ class EngineSnapshot:
     # per tenant (with requests now, or counted): (tenant, running, waiting, tokens generated since the start)
     tenants: tuple[tuple[str, int, int, int], ...] = ()
     lora_loaded: tuple[str, ...] = ()  # adapters loaded in the model's layers, least recently used first
+    steps: int = 0  # steps the scheduler has planned on this engine (since the last `reset`)
+    lora_deferrals: int = 0  # steps where requests for resident adapters went first (--max-loras was the limit)
 
 
 @dataclass(frozen=True)
@@ -146,10 +150,21 @@ class EngineInfo:
     hidden_size: int = 0  # the width of an embedding (/v1/embeddings `dimensions` may not exceed it)
     lora: LoRASpec | None = None  # what adapters must fit, when LoRA is enabled (checked on the HTTP side)
     max_loras: int = 0  # distinct adapters per step (0: LoRA off)
+    weight_bytes: int = 0  # the model's parameters and buffers: what every step reads once (the lab's MBU)
+    lora_kernel: bool = False  # adapters' deltas run the compiled kernel (else torch's matmuls)
+    quantized_linears: int = 0  # linear layers held in int8/int4 (--quantization or a quantized checkpoint)
 
     @property
     def kv_cache_tokens(self) -> int:
         return self.num_kv_blocks * self.block_size
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
 
 
 def validate_prompt(token_ids: list[int], info: EngineInfo) -> None:
@@ -167,6 +182,7 @@ def validate_prompt(token_ids: list[int], info: EngineInfo) -> None:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        check_scheduler(config.scheduler)  # before the weights load: a bad name fails at once
         self.config = config
         t0 = time.perf_counter()
         startup.phase(startup.LOADING_WEIGHTS, config.model)
@@ -218,7 +234,9 @@ class LLMEngine:
             batch_invariant=r.batch_invariant, attention_backend=r.attention_backend,
             default_sampling=default_sampling(config.model, config.generation_config),
             hidden_size=ckpt.config.hidden_size,
-            lora=r.lora.spec if r.lora is not None else None, max_loras=config.max_loras if r.lora is not None else 0)
+            lora=r.lora.spec if r.lora is not None else None, max_loras=config.max_loras if r.lora is not None else 0,
+            weight_bytes=r.weight_bytes, lora_kernel=r.lora is not None and r.lora.kernel is not None,
+            quantized_linears=r.quantized_linears)
         self.lora_to_remove: set[int] = set()  # unloaded while requests still ran under them
         if self.info.default_sampling:
             log.info("sampling defaults for requests that set none (--generation-config %s): %s",
@@ -278,9 +296,7 @@ class LLMEngine:
         from disk on first use)."""
         self.validate_prompt(prompt_token_ids, params)
         lora_key = self.load_lora(lora_request) if lora_request is not None else None
-        vocab = self.model_config.vocab_size
-        if params.logit_bias and any(t >= vocab for t in params.logit_bias):
-            raise ValueError(f"logit_bias keys must be token ids below the vocabulary size ({vocab})")
+        params.check_vocab(self.model_config.vocab_size)
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if pooling is not None and (params.n != 1 or params.structured_outputs is not None):
@@ -429,7 +445,7 @@ class LLMEngine:
         if lora is not None and (self.lora_to_remove or len(lora.adapters) > lora.max_cpu_loras):
             self._reap_loras()
         t3 = time.perf_counter()
-        prepare, forward, lm_head, sample = self.runner.last_phases
+        prepare, forward, lm_head, sample = result.phases
         phases = {"schedule": t1 - t0, "grammar": tg - t1 + self._grammar_update_s, "prepare": prepare,
                   "forward": forward, "lm_head": lm_head, "sample": sample,
                   "update": t3 - t2 - self._grammar_update_s + max(t2 - tg - prepare - forward - lm_head - sample, 0.0)}
@@ -438,25 +454,23 @@ class LLMEngine:
         stats = self._stats(plan, start, phases, prefill) if plan.items else None
         return StepOutput(deltas, stats)
 
-    def _update(self, plan: Step, result) -> list[StepDelta]:
+    def _update(self, plan: Step, result: SampleResult) -> list[StepDelta]:
         self._grammar_update_s = 0.0  # time spent advancing grammar matchers (a "grammar" phase cost)
-        token_ids = result.token_ids if result else []
-        if self.runner.last_prompt_logprobs:  # prompt logprobs computed this step (rarely any)
+        if result.prompt_logprobs:  # prompt logprobs computed this step (rarely any)
             for it in plan.items:
-                entries = self.runner.last_prompt_logprobs.get(it.request.request_id)
+                entries = result.prompt_logprobs.get(it.request.request_id)
                 if entries:
                     it.request.prompt_logprobs.extend(entries)
         deltas = []
-        if result is not None and result.bad:  # non-finite logits: those requests fail, the batch goes on
+        if result.bad:  # non-finite logits: those requests fail, the batch goes on
             deltas += self._drop_broken(plan, result)
-            token_ids = result.token_ids
-        sampled = self.scheduler.update(plan, token_ids)
-        for p in result.pooled if result is not None else ():  # embeddings: done, blocks freed now
+        sampled = self.scheduler.update(plan, result.token_ids)
+        for p in result.pooled:  # embeddings: done, blocks freed now
             if p.request_id in self.scheduler.requests:
                 deltas.append(self._finish_pooled(p))
         self.total_prompt_tokens += sum(len(r.prompt_token_ids) for r in plan.admitted if r.num_preemptions == 0)
-        lp_iter = iter(result.logprobs if result else [])
-        sp_iter = iter(result.sampled_logprobs if result else [])
+        lp_iter = iter(result.logprobs)
+        sp_iter = iter(result.sampled_logprobs)
         drafts = {it.request.request_id: it.num_draft for it in plan.items if it.num_draft}
         for req, toks in sampled:
             lps, slps = next(lp_iter), next(sp_iter)
@@ -470,23 +484,23 @@ class LLMEngine:
 
     def _finish_pooled(self, p: PooledOutput) -> StepDelta:
         req = self.scheduler.requests[p.request_id]
-        self.scheduler.finish(req, "stop", None)
+        self.scheduler.finish(req, FinishReason.STOP, None)
         delta = make_delta(req, [], "", None)
         delta.embedding = p.embedding
         return delta
 
     def _fail(self, req: Request, exc: BaseException) -> StepDelta:
-        """Finish one request with an error (finish_reason "error", the message in `extra["error"]`) and free
+        """Finish one request with an error (finish_reason ERROR, the message in `StepDelta.error`) and free
         its blocks; the engine and every other request carry on."""
         log.error("request %s failed; it alone is finished: %r", req.request_id, exc, exc_info=exc)
         if not req.finished:
-            self.scheduler.finish(req, "error", None)
+            self.scheduler.finish(req, FinishReason.ERROR, None)
         self.detok.release(req.request_id)
         delta = make_delta(req, [], "", None)
-        delta.extra["error"] = f"{type(exc).__name__}: {exc}"
+        delta.error = f"{type(exc).__name__}: {exc}"
         return delta
 
-    def _drop_broken(self, plan: Step, result) -> list[StepDelta]:
+    def _drop_broken(self, plan: Step, result: SampleResult) -> list[StepDelta]:
         """Take the items whose logits were not finite out of the step before it is committed (so
         nothing they computed this step is counted or cached) and fail their requests."""
         broken = set(result.bad)
@@ -502,13 +516,14 @@ class LLMEngine:
                 for it in dead]
 
     def _emit(self, req: Request, toks: list[int], lps: list, slps: list, drafts: dict[str, int]) -> StepDelta:
-        """Add one request's new tokens one at a time (text, stop checks, grammar), and return its delta."""
-        # the scheduler appended every new token; take them back and add them one at a time, so that
-        # stop checks (max_tokens, EOS, stop strings) see each prefix and the first stop wins
-        del req.output_token_ids[len(req.output_token_ids) - len(toks):]
+        """Read one request's new tokens one at a time (text, stop checks, grammar), and return its delta.
+
+        The scheduler committed them (`Scheduler.update`: the sequence's tokens have one owner); the stop
+        checks (max_tokens, EOS, stop strings) see each prefix in turn, and the first stop wins: a
+        sequence that stops before its last new token (speculative decoding) drops the tokens after it."""
         stop, kept_lps = None, []
+        base = len(req.output_token_ids) - len(toks)  # output tokens before this step's
         for j, tok in enumerate(toks):
-            req.output_token_ids.append(tok)
             if lps[j] is not None:
                 req.logprobs.append(lps[j])
                 req.cumulative_logprob += slps[j]
@@ -517,24 +532,26 @@ class LLMEngine:
             if req.tenant_id in self.tenant_tokens or len(self.tenant_tokens) < MAX_TENANT_ROWS:
                 self.tenant_tokens[req.tenant_id] = self.tenant_tokens.get(req.tenant_id, 0) + 1
             piece = self.detok.decode_token(req, tok)
-            stop = apply_stop(req, tok, piece, self.max_model_len)
+            stop = apply_stop(req, tok, piece, self.max_model_len, base + j + 1)
             if req.matcher is not None:
                 tg = time.perf_counter()
                 if self.structured.accept(req, tok) and stop is None:
-                    stop = ("stop", None)  # the grammar is complete
+                    stop = (FinishReason.STOP, None)  # the grammar is complete
                 self._grammar_update_s += time.perf_counter() - tg
             if stop is not None:
-                toks = toks[:j + 1]
+                if j + 1 < len(toks):  # stopped within the step's tokens: the rest were never output
+                    toks = toks[:j + 1]
+                    del req.output_token_ids[base + j + 1:]
                 self.scheduler.finish(req, stop[0], stop[1])
                 break
         if stop is not None and not isinstance(stop[1], str):  # not cut at a stop string: flush held text
-            self.detok.flush(req, drop_last=stop[0] == "stop")
+            self.detok.flush(req, drop_last=stop[0] is FinishReason.STOP)
         if req.request_id in drafts:  # guesses kept, up to where the sequence stopped
             self._record_spec(drafts[req.request_id], len(toks) - 1)
         text = self.detok.take_new_text(req, final=stop is not None)
         delta = make_delta(req, list(toks), text, kept_lps)
         if req.prompt_logprobs is not None and len(req.output_token_ids) == 1:
-            delta.extra["prompt_logprobs"] = list(req.prompt_logprobs)  # with the first token, as vLLM
+            delta.prompt_logprobs = list(req.prompt_logprobs)  # with the first token, as vLLM
         if stop is not None:
             self.detok.release(req.request_id)
         return delta
@@ -597,7 +614,7 @@ class LLMEngine:
             request_ids=[it.request.group_id for it in plan.items], num_preempted=len(plan.preempted),
             request_tokens=[it.num_tokens for it in plan.items],
             request_prefill=prefill,
-            preempted_ids=[r.group_id for r in plan.preempted],
+            preempted_ids=[r.group_id for r in plan.preempted], lora_ids=sorted(plan.lora_ids),
             kv_used_blocks=used_blocks, kv_used_slots=used_blocks * bs - empty,
             num_running=self.num_running, num_waiting=self.num_waiting,
             logical_tokens=sum(r.num_computed_tokens for r in self.scheduler.running), phases=phases,
@@ -620,6 +637,7 @@ class LLMEngine:
                                                                          for r in v)])
             if self.runner.lora is not None else (),
             lora_loaded=tuple(r.lora_name for r in self.runner.lora.loaded) if self.runner.lora is not None else (),
+            steps=self.scheduler.step_count, lora_deferrals=self.scheduler.num_lora_deferrals,
             tenants=self._tenant_rows())
 
     def _tenant_rows(self) -> tuple[tuple[str, int, int, int], ...]:
@@ -636,6 +654,49 @@ class LLMEngine:
             for r in v:
                 rows.setdefault(r.tenant_id, [0, 0])[1] += 1
         return tuple((t, run, wait, self.tenant_tokens.get(t, 0)) for t, (run, wait) in sorted(rows.items()))
+
+    def activation_headroom(self, config: EngineConfig) -> int:
+        """Bytes a step's activations may take at most under `config` (kept out of the KV budget)."""
+        return self.runner.activation_headroom(config)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The loaded model (read-only use: inspecting its layers, as a user of HF's model would)."""
+        return self.runner.model
+
+    def lora_weights_held(self) -> set[int]:
+        """Adapter ids whose weights some layer of the model still holds (an unload must leave none)."""
+        if self.runner.lora is None:
+            return set()
+        return {lid for layer in self.runner.lora.layers for lin in layer.values() for lid in lin.stacked}
+
+    def kv_pool_is_zero(self) -> bool:
+        """Whether every KV cache tensor holds only zeros (a populated pool starts so)."""
+        return all(not t.any() for layer in self.runner.kv_caches for t in layer)
+
+    @torch.inference_mode()
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits [len, vocab] of every position of one prompt, straight through the model and the KV pool's
+        first blocks: to check the model against a reference (HF's logits) or measure perplexity. Outside the
+        scheduler, so only on an idle engine; the pool's cached prefixes are forgotten afterwards, since the
+        blocks it wrote were not allocated to anyone."""
+        from conveyor.model.attention import build_metadata
+
+        if self.has_unfinished_requests():
+            raise RuntimeError("prompt_logits needs an idle engine")
+        r = self.runner
+        if len(token_ids) > r.num_blocks * r.block_size:
+            raise ValueError("the prompt does not fit in the KV pool")
+        table = list(range(-(-len(token_ids) // r.block_size)))
+        meta = build_metadata([len(token_ids)], [len(token_ids)], [table], r.block_size, r.device, r.attention_backend)
+        hidden = r.model(torch.tensor(token_ids, device=r.device), torch.arange(len(token_ids), device=r.device),
+                         r.kv_caches, meta)
+        self.kv.pool.reset_cache()
+        return r.model.compute_logits(hidden)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block that no request holds (a cold start for tests and benchmarks)."""
+        self.kv.pool.reset_cache()
 
     def kv_map(self, max_cells: int = 4096) -> KVMap:
         """The KV pool at a glance, for the dashboard: each cell is the most common state of its blocks."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from tokenizers.decoders import DecodeStream
 
-from conveyor.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepDelta
+from conveyor.outputs import CompletionOutput, FinishReason, RequestMetrics, RequestOutput, StepDelta
 from conveyor.request import Request, sequence_ids
 
 _PREFILL_CONTEXT = 8  # prompt tokens fed to the decoder so the first word gets its leading space
@@ -66,15 +66,21 @@ class Detokenizer:
         return req.output_text[start:end]
 
 
-def check_stop(req: Request, token: int, new_text: str, max_model_len: int) -> tuple[str, int | str | None] | None:
-    """(finish_reason, stop_reason) if `req` is done after `token`, else None. Truncates text at a stop string."""
+StopDecision = tuple[FinishReason, int | str | None]  # (finish_reason, stop_reason)
+
+
+def check_stop(req: Request, token: int, new_text: str, max_model_len: int,
+               n_out: int | None = None) -> StopDecision | None:
+    """(finish_reason, stop_reason) if `req` is done after `token`, its `n_out`-th output token (default:
+    its last), else None. Truncates text at a stop string."""
     p = req.params
-    n_out = len(req.output_token_ids)
+    if n_out is None:
+        n_out = len(req.output_token_ids)
     if n_out >= p.min_tokens:
         if not p.ignore_eos and token in req.eos_token_ids:
-            return "stop", None
+            return FinishReason.STOP, None
         if token in p.stop_token_ids:
-            return "stop", token
+            return FinishReason.STOP, token
         if p.stop_list and new_text:
             longest = max(len(s) for s in p.stop_list)
             text = req.output_text
@@ -87,31 +93,29 @@ def check_stop(req: Request, token: int, new_text: str, max_model_len: int) -> t
             if best is not None:
                 i, s = best
                 req.output_text = text[: i + len(s)] if p.include_stop_str_in_output else text[:i]
-                return "stop", s
+                return FinishReason.STOP, s
     if n_out >= req.max_tokens:
-        return "length", None
-    if req.num_tokens >= max_model_len:
-        return "length", None
+        return FinishReason.LENGTH, None
+    if len(req.prompt_token_ids) + n_out >= max_model_len:
+        return FinishReason.LENGTH, None
     return None
 
 
-def apply_stop(req: Request, token: int, piece: str, max_model_len: int) -> tuple[str, int | str | None] | None:
-    """Append `token`'s text to the output and decide whether `req` stops: (finish_reason,
-    stop_reason) or None. Trims a stop string (unless it is to be included) and, as vLLM does, the
-    text of a stop token (EOS or `stop_token_ids`)."""
+def apply_stop(req: Request, token: int, piece: str, max_model_len: int,
+               n_out: int | None = None) -> StopDecision | None:
+    """Append `token`'s text (`req`'s `n_out`-th output token, default: its last) to the output and decide
+    whether `req` stops: (finish_reason, stop_reason) or None. Trims a stop string (unless it is to be
+    included) and, as vLLM does, the text of a stop token (EOS or `stop_token_ids`)."""
     req.output_text += piece
-    stop = check_stop(req, token, piece, max_model_len)
-    if stop is not None and stop[0] == "stop" and not isinstance(stop[1], str) and piece \
+    stop = check_stop(req, token, piece, max_model_len, n_out)
+    if stop is not None and stop[0] is FinishReason.STOP and not isinstance(stop[1], str) and piece \
             and not req.params.include_stop_str_in_output:
         req.output_text = req.output_text[: len(req.output_text) - len(piece)]
     return stop
 
 
 def make_delta(req: Request, new_tokens: list[int], new_text: str, logprobs: list[dict] | None) -> StepDelta:
-    # a sequence's last delta carries what the caller's metrics need from the engine's side
-    extra = {"first_scheduled_time": req.first_scheduled_time, "num_cached_tokens": req.num_cached_tokens,
-             "num_preemptions": req.num_preemptions} if req.finish_reason is not None else {}
-    return StepDelta(
+    delta = StepDelta(
         request_id=req.request_id,
         group_id=req.group_id,
         index=req.index,
@@ -120,8 +124,12 @@ def make_delta(req: Request, new_tokens: list[int], new_text: str, logprobs: lis
         new_logprobs=logprobs or None,
         finish_reason=req.finish_reason,
         stop_reason=req.stop_reason,
-        extra=extra,
     )
+    if req.finish_reason is not None:  # a sequence's last delta carries what the caller's metrics need
+        delta.first_scheduled_time = req.first_scheduled_time
+        delta.num_cached_tokens = req.num_cached_tokens
+        delta.num_preemptions = req.num_preemptions
+    return delta
 
 
 class RequestOutputBuilder:
@@ -143,8 +151,8 @@ class RequestOutputBuilder:
 
     def add(self, d: StepDelta) -> None:
         out = self.outputs[d.request_id]
-        if d.index == 0 and "prompt_logprobs" in d.extra:
-            self.prompt_logprobs = d.extra["prompt_logprobs"]
+        if d.index == 0 and d.prompt_logprobs is not None:
+            self.prompt_logprobs = d.prompt_logprobs
         out.token_ids.extend(d.new_token_ids)
         self._text[d.request_id].append(d.new_text)
         if d.new_logprobs and out.logprobs is not None:
@@ -154,7 +162,7 @@ class RequestOutputBuilder:
         if d.finished:
             out.finish_reason, out.stop_reason = d.finish_reason, d.stop_reason
             if d.index == 0:
-                self.num_cached_tokens = d.extra.get("num_cached_tokens", 0)
+                self.num_cached_tokens = d.num_cached_tokens
 
     @property
     def finished(self) -> bool:

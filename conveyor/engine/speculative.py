@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from conveyor.config import json_object
+from conveyor.config import QUANTIZATIONS, json_object
 from conveyor.request import Request
 
 
@@ -89,8 +89,8 @@ class SpeculativeConfig:
             raise ValueError("speculative_config: model, num_layers and quantization are for method draft")
         if self.method not in ("ngram", "prompt_lookup", "draft"):
             raise ValueError(f"speculative_config: method {self.method!r} is not supported (ngram, draft)")
-        if self.quantization not in (None, "int8", "int4"):
-            raise ValueError("speculative_config: quantization must be int8 or int4")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"speculative_config: quantization must be {' or '.join(QUANTIZATIONS)}")
         if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError("speculative_config: num_speculative_tokens must be an integer in [1, 16]")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 16:

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+
+from conveyor.runner.grammar_mask import GrammarMask
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher, LLTokenizer
@@ -94,32 +95,3 @@ class StructuredOutputManager:
                         req.request_id, token, m.get_error().splitlines()[0] if m.get_error() else "")
             return True
         return m.is_stopped()
-
-
-@dataclass
-class GrammarMask:
-    """Allowed tokens for some rows of a step's logits: `bits[j]` packs row `rows[j]`'s vocabulary,
-    32 tokens per int32 (bit t % 32 of word t // 32), as llguidance and xgrammar lay it out."""
-
-    rows: list[int]
-    bits: torch.Tensor
-
-    def apply(self, logits: torch.Tensor) -> None:
-        """Set every logit of a masked row whose bit is 0 to -inf, in place (the compiled kernel on
-        CPU, else `apply_reference`)."""
-        if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
-            from conveyor import kernels
-
-            ops = kernels.load()
-            if ops is not None:
-                ops.apply_token_bitmask_(logits, self.bits, torch.tensor(self.rows, dtype=torch.long))
-                return
-        self.apply_reference(logits)
-
-    def apply_reference(self, logits: torch.Tensor) -> None:
-        """The pure-torch path: unpack the bits, then one masked_fill."""
-        v = logits.shape[1]
-        shifts = torch.arange(32, dtype=torch.int32)
-        allowed = ((self.bits[:, :, None] >> shifts) & 1).reshape(len(self.rows), -1)[:, :v].bool()
-        idx = torch.tensor(self.rows, device=logits.device)
-        logits[idx] = logits[idx].masked_fill(~allowed.to(logits.device), float("-inf"))

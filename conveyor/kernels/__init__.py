@@ -68,14 +68,11 @@ def source_hash() -> str:
 
 
 def cpu_flags() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("flags"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-    return platform.processor() or platform.machine()
+    """This CPU's flags as one string (what the JIT build's name hashes), or its name where it lists none."""
+    from conveyor.kernels.variants import cpu_info
+
+    info = cpu_info()
+    return " ".join(info.flags) if info.flags else info.model
 
 
 def jit_build_name() -> str:

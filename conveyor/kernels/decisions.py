@@ -19,6 +19,8 @@ import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from conveyor.kernels.variants import cpu_info
+
 log = logging.getLogger("conveyor.kernels")
 
 FLAGS_OF_INTEREST = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx512_fp16",
@@ -27,18 +29,8 @@ FLAGS_OF_INTEREST = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_b
 
 def cpu_facts() -> dict[str, object]:
     """The CPU's model name and the instruction-set flags that decide which kernels run fast here."""
-    name, flags = "", set()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name") and not name:
-                name = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        import platform
-
-        name = platform.processor() or platform.machine()
-    return {"model": name, "flags": sorted(f for f in FLAGS_OF_INTEREST if f in flags)}
+    info = cpu_info()
+    return {"model": info.model, "flags": sorted(f for f in FLAGS_OF_INTEREST if f in info.flags)}
 
 
 def _path() -> Path:

@@ -11,6 +11,7 @@ Standard library only: setup.py imports this file before anything is installed.
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 from dataclasses import dataclass
@@ -49,15 +50,44 @@ def variants_for_this_platform() -> tuple[Variant, ...]:
     return X86_VARIANTS if platform.machine().lower() in ("x86_64", "amd64") else PORTABLE
 
 
-def cpu_flags() -> set[str]:
+@dataclass(frozen=True)
+class CpuInfo:
+    """What /proc/cpuinfo says of the first CPU: the one place that file is read (kernel choice, the
+    default dtype, the lab's reports and the benchmarks all ask here)."""
+
+    model: str  # "model name"; platform's processor or machine name where there is no /proc/cpuinfo
+    flags: tuple[str, ...]  # instruction-set flags, in the file's order
+
+    @property
+    def has_fast_bf16(self) -> bool:
+        """AVX512-BF16 or AMX: bf16 matmuls beat fp32 there; elsewhere bf16 on a CPU is emulated and slow."""
+        return "avx512_bf16" in self.flags or "amx_bf16" in self.flags
+
+
+@functools.cache
+def cpu_info() -> CpuInfo:
+    model, flags = "", ()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                if line.startswith("model name") and not model:
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = tuple(line.split(":", 1)[1].split())
+                if model and flags:
+                    break
     except OSError:
         pass
-    return set()
+    return CpuInfo(model or platform.processor() or platform.machine(), flags)
+
+
+def cpu_flags() -> set[str]:
+    return set(cpu_info().flags)
+
+
+def cpu_name() -> str:
+    """The CPU model as /proc/cpuinfo names it (platform.processor() is empty on Linux)."""
+    return cpu_info().model
 
 
 def runnable(names: list[str], flags: set[str] | None = None) -> list[str]:

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from conveyor import kernels
+from conveyor.config import ATTENTION_BACKENDS, check_choice
 
 log = logging.getLogger("conveyor.attention")
 
@@ -62,8 +63,7 @@ def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def choose_backend(requested: str, device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
                    head_dim: int) -> str:
     """'kernel' where the compiled kernel applies and builds, else 'torch'. `requested`: auto | kernel | torch."""
-    if requested not in ("auto", "kernel", "torch"):
-        raise ValueError(f"attention backend must be auto, kernel or torch, got {requested!r}")
+    check_choice("attention backend", requested, ATTENTION_BACKENDS)
     if requested == "torch":
         return "torch"
     why = None

@@ -190,7 +190,7 @@ def _field(reader, key: str, default=None):
     return default if f is None else f.contents()
 
 
-def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's q/k row permutation (its RoPE pairs adjacent dims; HF pairs halves)."""
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
@@ -260,9 +260,9 @@ def _gguf_quantized(path: Path, cfg: ModelConfig) -> dict:
         cols, rows = (int(x) for x in t.shape)
         qw = QuantizedWeight.from_gguf(np.asarray(t.data), qtype, rows, cols)
         if name.endswith("self_attn.q_proj.weight"):
-            qw = qw.permute_rows(lambda a: _unpermute(a, cfg.num_heads))
+            qw = qw.permute_rows(lambda a: unpermute(a, cfg.num_heads))
         elif name.endswith("self_attn.k_proj.weight"):
-            qw = qw.permute_rows(lambda a: _unpermute(a, cfg.num_kv_heads))
+            qw = qw.permute_rows(lambda a: unpermute(a, cfg.num_kv_heads))
         out[name] = qw
     return out
 
@@ -287,9 +287,9 @@ def _dequantize_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         if name is None:
             continue
         if name.endswith("self_attn.q_proj.weight"):
-            arr = _unpermute(arr, heads)
+            arr = unpermute(arr, heads)
         elif name.endswith("self_attn.k_proj.weight"):
-            arr = _unpermute(arr, kv_heads)
+            arr = unpermute(arr, kv_heads)
         tensors[name] = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
     vocab = tensors["model.embed_tokens.weight"].shape[0]
     eos = _field(reader, "tokenizer.ggml.eos_token_id")

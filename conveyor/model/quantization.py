@@ -29,11 +29,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from conveyor.config import QUANTIZATIONS
 from conveyor.model.packed_linear import PackedLinear, packing_available
 
 log = logging.getLogger("conveyor.quantization")
 
-QUANTIZATIONS = ("int8", "int4")
 INT4_GROUP = 32  # GGUF's Q4 block: the int4 kernel also accepts 64/128/256
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -22,8 +22,8 @@ import psutil
 import torch
 
 from conveyor import startup
-from conveyor.config import EngineConfig
-from conveyor.engine.structured_output import GrammarMask
+from conveyor.config import DTYPES, EngineConfig
+from conveyor.kernels.variants import cpu_info
 from conveyor.model.attention import KV_SCALE_DTYPE, build_metadata, cache_shapes, choose_backend, scale_shape
 from conveyor.model.llama import LlamaModel, ModelConfig, rope_inv_freq
 from conveyor.model.packed_linear import PackedLinear, pack_linears, packing_available
@@ -36,21 +36,18 @@ from conveyor.model.quantization import (
 )
 from conveyor.pooling import pool_step
 from conveyor.request import ScheduledItem
+from conveyor.runner.grammar_mask import GrammarMask
 from conveyor.runner.sampler import SampleResult, sample
 
 log = logging.getLogger("conveyor.runner")
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_DTYPES = {name: getattr(torch, name) for name in DTYPES if name != "auto"}
 CPU_DEFAULT_KV_CAP_GIB = 4.0
 
 
 def cpu_has_fast_bf16() -> bool:
     """AVX512-BF16 or AMX: bf16 matmuls beat fp32 there; elsewhere bf16 on a CPU is emulated and slow."""
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return cpu_info().has_fast_bf16
 
 
 def set_cpu_threads(threads: int | None) -> None:
@@ -112,11 +109,12 @@ class ModelRunner:
             log.info("weights: %s (%d linear layers, %d kept as the checkpoint ships them); %s",
                      config.quantization, counts["quantized"], counts["from_checkpoint"], dense_rows_note(threshold))
         self.packed_linears = 0
-        if config.extra.get("packed_linear", True) and packing_available(self.device, self.dtype):
+        if config.packed_linear and packing_available(self.device, self.dtype):
             self.packed_linears = pack_linears(self.model)
         # every op on the compiled CPU path gives a token a result that depends only on its own request
         # (tests/engine/test_batch_invariance.py); the torch reference path (CUDA, no compiler) does not
         linears = [m for m in self.model.modules() if isinstance(m, (PackedLinear, QuantizedLinear))]
+        self.quantized_linears = sum(1 for m in linears if isinstance(m, QuantizedLinear))
         self.batch_invariant = (self.attention_backend == "kernel" and bool(linears)
                                 and all(m.batch_invariant for m in linears))
         self.lora = None  # LoRAManager when adapters are enabled (conveyor/lora)
@@ -137,10 +135,12 @@ class ModelRunner:
         self.kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else self.dtype
         self._pool_buffers: list[mmap.mmap] = []
         self.allocate_kv_cache(config)
-        # seconds of the last execute() in (prepare inputs, model forward, LM head, sampling); on CUDA the
-        # forward is asynchronous, so its time lands in sampling, which waits for it
-        self.last_phases: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
-        self.last_prompt_logprobs: dict[str, list[dict[int, float]]] = {}  # of the last execute()
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the model's parameters and buffers (packed or quantized as they are now)."""
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def kv_pool_key(self, config: EngineConfig) -> tuple:
         """What the pool's size and layout depend on: the lab compares it to decide whether a new
@@ -346,18 +346,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, items: list[ScheduledItem], block_tables: list[list[int]],
-                copies: list[tuple[int, int]] = (), grammar: GrammarMask | None = None) -> SampleResult | None:
+                copies: list[tuple[int, int]] = (), grammar: GrammarMask | None = None) -> SampleResult:
         """Run one step. Returns a sample for each item whose pending tokens are now all computed
-        (`grammar` masks the rows, in that order, whose output has a grammar)."""
+        (`grammar` masks the rows, in that order, whose output has a grammar), with the step's phase
+        times and any prompt logprobs it computed."""
         t0 = time.perf_counter()
-        self.last_prompt_logprobs = {}
         for src, dst in copies:  # copy-on-write of shared, partly filled blocks
             for cache in self.kv_caches:
                 for t in cache:
                     t[dst].copy_(t[src])
         if not items:
-            self.last_phases = (time.perf_counter() - t0, 0.0, 0.0, 0.0)
-            return None
+            return SampleResult([], [], [], phases=(time.perf_counter() - t0, 0.0, 0.0, 0.0))
         ids: list[int] = []
         positions: list[int] = []
         query_lens, context_lens = [], []
@@ -385,8 +384,8 @@ class ModelRunner:
         hidden = self.model(input_ids, pos, self.kv_caches, meta)
         if self.lora is not None:
             self.lora.clear_batch()
-        if any(it.request.prompt_logprobs is not None for it in items):
-            self.last_prompt_logprobs = self._prompt_logprobs(items, query_lens, hidden)
+        prompt_lps = (self._prompt_logprobs(items, query_lens, hidden)
+                      if any(it.request.prompt_logprobs is not None for it in items) else {})
         pooled = pool_step(items, query_lens, hidden) if any(it.request.pooling for it in items) else []
         t2 = time.perf_counter()
         rows, reqs, positions, end = [], [], [], 0
@@ -398,13 +397,14 @@ class ModelRunner:
                     reqs.append(it.request)
                     positions.append(len(it.request.output_token_ids) + j)
         if not rows:
-            self.last_phases = (t1 - t0, time.perf_counter() - t1, 0.0, 0.0)
-            return SampleResult([], [], [], pooled=pooled)
+            return SampleResult([], [], [], pooled=pooled, phases=(t1 - t0, time.perf_counter() - t1, 0.0, 0.0),
+                                prompt_logprobs=prompt_lps)
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=dev)])
         t3 = time.perf_counter()
         result = verify(sample(logits, reqs, grammar, positions), items)
         result.pooled = pooled
-        self.last_phases = (t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
+        result.prompt_logprobs = prompt_lps
+        result.phases = (t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
         return result
 
 

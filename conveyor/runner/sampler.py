@@ -28,8 +28,8 @@ from conveyor import kernels
 from conveyor.request import Request
 
 if TYPE_CHECKING:
-    from conveyor.engine.structured_output import GrammarMask
     from conveyor.pooling import PooledOutput
+    from conveyor.runner.grammar_mask import GrammarMask
 
 
 @dataclass
@@ -41,6 +41,11 @@ class SampleResult:
     sampled_logprobs: list
     bad: list[int] = field(default_factory=list)  # rows (per-row result) or items (verified) with non-finite logits
     pooled: list[PooledOutput] = field(default_factory=list)  # embedding requests whose prompt is now computed
+    # the runner's step (`ModelRunner.execute`) also says, so that nobody reads them off the runner afterwards:
+    # seconds in (prepare inputs, model forward, LM head, sampling); on CUDA the sampling phase absorbs the wait
+    phases: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    # prompt logprobs computed in this step, by request id (requests that asked for them; rarely any)
+    prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
 
 
 def _penalise(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:

@@ -196,7 +196,7 @@ class Ingress:
                 r.inflight -= n
 
         head_task = asyncio.ensure_future(gen.__anext__())
-        gone = asyncio.ensure_future(_wait_disconnect(request))
+        gone = asyncio.ensure_future(wait_disconnect(request))
         try:
             await asyncio.wait({head_task, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -355,7 +355,7 @@ class _RelayResponse(StreamingResponse):
             self.on_close()
 
 
-async def _wait_disconnect(request: Request) -> None:
+async def wait_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
 
@@ -379,7 +379,7 @@ def run_replicated_server(args: argparse.Namespace) -> int:
         raise ValueError("--replicas > 1 needs Ray Serve: pip install 'conveyor[ray]'") from None
     import uvicorn
 
-    from conveyor.cli import engine_config_from_args
+    from conveyor.engine.args import engine_config_from_args
     from conveyor.scaleout.replica import EngineReplica
 
     if args.replicas < 1:
@@ -390,7 +390,7 @@ def run_replicated_server(args: argparse.Namespace) -> int:
         logging.getLogger("conveyor").setLevel(logging.INFO)
     # replicas on one node size their pools from the same free memory at once: committing them all at
     # startup could turn that overcommit into an OOM, so they stay lazy unless asked
-    cfg = engine_config_from_args(args, populate_default=False, served_model_name=args.served_model_name)
+    cfg = engine_config_from_args(args, served_model_name=args.served_model_name)
     if cfg.threads is None and args.device != "cuda":
         cfg.threads = max(1, int(args.replica_cpus))
     sargs = ServerArgs.from_namespace(args)

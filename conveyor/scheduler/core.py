@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from conveyor.config import EngineConfig
 from conveyor.kv_cache import KVCacheManager
+from conveyor.outputs import FinishReason
 from conveyor.request import Request, ScheduledItem, Status
 
 
@@ -94,10 +95,10 @@ class Scheduler:
         req = self.requests.get(request_id)
         if req is None or req.finished:
             return None
-        self.finish(req, "abort")
+        self.finish(req, FinishReason.ABORT)
         return req
 
-    def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
+    def finish(self, req: Request, reason: FinishReason, stop_reason: int | str | None = None) -> None:
         if req.status is Status.RUNNING:
             self.running.remove(req)
         elif req in self.waiting:

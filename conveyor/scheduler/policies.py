@@ -716,9 +716,7 @@ def policy_options(config: EngineConfig) -> dict[str, object]:
 def coerce_options(name: str, options: dict) -> dict[str, object]:
     """Options for policy `name` given as JSON values: checked against its `PolicySpec` (unknown names and
     wrong types are a ValueError naming them) and converted to the option's type."""
-    spec = POLICIES.get(name)
-    if spec is None:
-        raise ValueError(f"scheduler must be one of {tuple(POLICIES)}, got {name!r}")
+    spec = check_scheduler(name)
     known = {o.name: o for o in spec.options}
     out: dict[str, object] = {}
     for key, value in options.items():
@@ -734,5 +732,13 @@ def coerce_options(name: str, options: dict) -> dict[str, object]:
     return out
 
 
+def check_scheduler(name: str) -> PolicySpec:
+    """The policy called `name`, or a ValueError listing the names there are."""
+    spec = POLICIES.get(name)
+    if spec is None:
+        raise ValueError(f"scheduler must be one of {tuple(POLICIES)}, got {name!r}")
+    return spec
+
+
 def make_policy(config: EngineConfig) -> Policy:
-    return POLICIES[config.scheduler].build(config)
+    return check_scheduler(config.scheduler).build(config)

@@ -107,7 +107,8 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
     info = client.info
     aengine = AsyncEngine(client, max_queued_requests=args.max_queued_requests, log_interval_s=args.log_interval,
                           max_queued_tokens=args.max_queued_tokens)
-    metrics = ServerMetrics(info.model_name, aengine.stats, info, max_tenants=args.metrics_max_tenants)
+    metrics = ServerMetrics(info.model_name, aengine.stats, info, max_tenants=args.metrics_max_tenants,
+                            config=engine_config)
     aengine.metrics = metrics
     serving = OpenAIServing(aengine, [info.model_name], args.request_timeout)
     serving.chat_template, serving.tool_parser = chat_template, tool_parser

@@ -1,11 +1,20 @@
 """The server's own flags and settings (`ServerArgs`), apart from the app so that parsing the command
-line imports neither torch nor FastAPI (`conveyor serve --help` answers at once)."""
+line imports neither torch nor FastAPI (`conveyor serve --help` answers at once).
+
+Each setting is declared once, as a `ServerArgs` field whose metadata (`flag(...)`) says how it appears
+on the command line: `add_server_args` generates the flags from the fields, with the fields' defaults,
+and `ServerArgs.from_namespace` reads them back.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass, fields
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from conveyor.config import EngineConfig
 
 # How long an idle keep-alive connection stays open. Longer than the idle expiry of the usual clients
 # (httpx, so the openai package: 5 s; Node's undici: 4 s; aiohttp: 15 s): with uvicorn's own 5 s, a
@@ -14,32 +23,97 @@ from dataclasses import dataclass, fields
 # "Server disconnected without sending a response" for a request the server never saw.
 KEEP_ALIVE_S = 20.0
 
+ENGINE_LOOPS = ("thread", "process", "inline")  # conveyor/engine/engine_loop.py
+SERVER_GROUPS = {"server": "server", "tools": "tools and templates", "embeddings": "embeddings"}  # --help order
+
+
+def flag(default: Any, help: str | Callable[[], str] = "", group: str = "server", env: str | None = None,
+         **argparse_kw: Any) -> Any:
+    """A `ServerArgs` field with its command-line flag: `help` (text, or a function that builds it when the
+    parser is built), its --help `group`, an environment variable `env` that overrides the default on the
+    command line, and any other `add_argument` keywords (type, choices, action, nargs, metavar)."""
+    return field(default=default, metadata={"help": help, "group": group, "env": env, "argparse": argparse_kw})
+
+
+def _env_value(name: str, default: Any) -> Any:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    return raw.lower() in ("1", "true", "yes") if isinstance(default, bool) else raw
+
+
+def _chat_template_help() -> str:
+    from conveyor.server.tools import builtin_templates
+
+    return ("a Jinja chat template to use instead of the tokenizer's: a file, Jinja text, or a shipped "
+            f"one by name ({', '.join(builtin_templates())}: SmolLM2 with tools, Hermes format)")
+
+
+def _tool_parser_help() -> str:
+    from conveyor.server.tool_parsers import TOOL_PARSERS
+
+    return f"how tool calls are read from model text for \"auto\": {', '.join(sorted(TOOL_PARSERS))}"
+
+
+def _pooling_choices() -> tuple[str, ...]:
+    from conveyor.pooling import POOLING_METHODS
+
+    return POOLING_METHODS
+
 
 @dataclass
 class ServerArgs:
-    """The server's own knobs (engine knobs live in `EngineConfig`)."""
+    """The server's own knobs (engine knobs live in `EngineConfig`), each declared once with its flag."""
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    max_queued_requests: int | None = 1024
-    max_queued_tokens: int | None = None
-    engine_loop: str = "thread"  # thread | process | inline (see conveyor/engine/engine_loop.py)
-    max_request_bytes: int = 8 * 2**20
-    shutdown_timeout: float = 10.0
-    request_timeout: float | None = None
-    log_interval: float = 10.0
-    disable_log_requests: bool = False
-    uvicorn_log_level: str = "info"
-    timeout_keep_alive: float = KEEP_ALIVE_S
-    chat_template: str | None = None  # tools and embeddings: conveyor/server/tools.py, embeddings.py
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: str | None = None
-    pooling: str | None = None
-    tenant_key: str = "user"  # user | api-key | header:NAME (conveyor/server/tenancy.py)
-    metrics_max_tenants: int = 16  # tenants with their own /metrics series; the rest count as "other"
-    lora_modules: list[str] | None = None  # name=path of LoRA adapters to serve (conveyor/server/lora.py)
-    allow_runtime_lora_updating: bool = False  # mount /v1/load_lora_adapter and /v1/unload_lora_adapter
+    host: str = flag("127.0.0.1", "address to listen on")
+    port: int = flag(8000, "port to listen on (0: any free port, written to the log)", type=int)
+    api_key: str | None = flag(None, "require 'Authorization: Bearer KEY' on /v1 (default: $CONVEYOR_API_KEY)",
+                               env="CONVEYOR_API_KEY")
+    max_queued_requests: int | None = flag(
+        1024, "waiting sequences beyond which new requests get 429 with Retry-After", type=int)
+    max_queued_tokens: int | None = flag(
+        None, "prompt tokens of requests not yet started (queued or in prefill) beyond which new requests get 429 "
+        "with Retry-After; bounds what a burst of long prompts holds (default: no limit besides "
+        "--max-queued-requests)", type=int)
+    engine_loop: str = flag(
+        "thread", "where the engine loop runs: a thread of the server process, its own process, or the event loop "
+        "itself (the naive design, for comparison); docs/engine-loop.md has the measurements behind the choice",
+        choices=ENGINE_LOOPS)
+    max_request_bytes: int = flag(8 * 2**20, "larger bodies get 413", type=int)
+    shutdown_timeout: float = flag(
+        10.0, "seconds in-flight requests get to finish on SIGTERM/SIGINT before they are aborted", type=float)
+    request_timeout: float | None = flag(
+        None, "seconds from arrival after which a request still running is aborted and its blocks freed: 408 "
+        "request_timeout, or an error event in its stream (default: none)", type=float)
+    log_interval: float = flag(10.0, "seconds between engine stats log lines", type=float)
+    disable_log_requests: bool = flag(False, "no per-request log line", action="store_true")
+    uvicorn_log_level: str = flag("info", "uvicorn's own log level")
+    tenant_key: str = flag(
+        "user", "what names a request's tenant: user (the OpenAI 'user' field), api-key (the key it presented; "
+        "list several with --api-key k1,k2) or header:NAME; requests without one share the default tenant "
+        "(conveyor/server/tenancy.py)")
+    metrics_max_tenants: int = flag(
+        16, "tenants that get series of their own in the per-tenant /metrics (the first ones seen); later "
+        "tenants are counted under tenant=\"other\"", type=int)
+    lora_modules: list[str] | None = flag(
+        None, "LoRA adapters (PEFT directories) to serve, each as name=path or vLLM's JSON "
+        '\'{"name": ..., "path": ...}\'; a request\'s "model" picks one (needs --enable-lora)',
+        nargs="+", metavar="NAME=PATH")
+    allow_runtime_lora_updating: bool = flag(
+        False, "mount vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind --api-key; default: "
+        "$CONVEYOR_ALLOW_RUNTIME_LORA_UPDATING)", env="CONVEYOR_ALLOW_RUNTIME_LORA_UPDATING", action="store_true")
+    timeout_keep_alive: float = flag(
+        KEEP_ALIVE_S, "seconds an idle keep-alive connection stays open; keep it above your clients' idle expiry "
+        "(httpx and openai: 5 s)", type=float)
+    # tools and embeddings: conveyor/server/tools.py, embeddings.py
+    chat_template: str | None = flag(None, _chat_template_help, "tools")
+    enable_auto_tool_choice: bool = flag(
+        False, 'serve tool_choice="auto": the model\'s text is read for tool calls by --tool-call-parser', "tools",
+        action="store_true")
+    tool_call_parser: str | None = flag(None, _tool_parser_help, "tools")
+    pooling: str | None = flag(
+        None, "/v1/embeddings pooling over the last hidden states (default: the model's sentence-transformers "
+        "pooling config if it has one, else the last token)", "embeddings", choices=_pooling_choices)
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> ServerArgs:
@@ -47,54 +121,17 @@ class ServerArgs:
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--served-model-name", default=None,
-                   help="the model name clients send and see (default: the --model value)")
-    g.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 (default: $CONVEYOR_API_KEY)")
-    g.add_argument("--max-queued-requests", type=int, default=1024,
-                   help="waiting sequences beyond which new requests get 429 with Retry-After (default: 1024)")
-    g.add_argument("--max-queued-tokens", type=int, default=None,
-                   help="prompt tokens of requests not yet started (queued or in prefill) beyond which new "
-                        "requests get 429 with Retry-After; bounds what a burst of long prompts holds (default: "
-                        "no limit besides --max-queued-requests)")
-    g.add_argument("--engine-loop", default="thread", choices=["thread", "process", "inline"],
-                   help="where the engine loop runs: a thread of the server process, its own process, or the "
-                        "event loop itself (the naive design, for comparison); docs/engine-loop.md has the "
-                        "measurements behind the default (default: thread)")
-    g.add_argument("--max-request-bytes", type=int, default=8 * 2**20, help="larger bodies get 413")
-    g.add_argument("--shutdown-timeout", type=float, default=10.0,
-                   help="seconds in-flight requests get to finish on SIGTERM/SIGINT before they are aborted")
-    g.add_argument("--request-timeout", type=float, default=None,
-                   help="seconds from arrival after which a request still running is aborted and its blocks freed: "
-                        "408 request_timeout, or an error event in its stream (default: none)")
-    g.add_argument("--log-interval", type=float, default=10.0, help="seconds between engine stats log lines")
-    g.add_argument("--disable-log-requests", action="store_true", help="no per-request log line")
-    g.add_argument("--uvicorn-log-level", default="info")
-    g.add_argument("--tenant-key", default="user",
-                   help="what names a request's tenant: user (the OpenAI 'user' field), api-key (the key it "
-                        "presented; list several with --api-key k1,k2) or header:NAME; requests without one "
-                        "share the default tenant (default: user)")
-    g.add_argument("--metrics-max-tenants", type=int, default=16,
-                   help="tenants that get series of their own in the per-tenant /metrics (the first ones seen); "
-                        "later tenants are counted under tenant=\"other\" (default: 16)")
-    g.add_argument("--slo-ttft-ms", type=float, default=None,
-                   help="time-to-first-token target of requests that bring none (the slo_ttft_ms request field); "
-                        "deadline-aware strategies and the per-tenant metrics read it (default: none)")
-    g.add_argument("--slo-tpot-ms", type=float, default=None,
-                   help="time-per-output-token target of requests that bring none (slo_tpot_ms) (default: none)")
-    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
-                   help="LoRA adapters (PEFT directories) to serve, each as name=path or vLLM's JSON "
-                        '\'{"name": ..., "path": ...}\'; a request\'s "model" picks one (needs --enable-lora)')
-    g.add_argument("--allow-runtime-lora-updating", action="store_true",
-                   default=os.environ.get("CONVEYOR_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true", "yes"),
-                   help="mount vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind --api-key; "
-                        "default: $CONVEYOR_ALLOW_RUNTIME_LORA_UPDATING)")
-    g.add_argument("--timeout-keep-alive", type=float, default=KEEP_ALIVE_S,
-                   help="seconds an idle keep-alive connection stays open; keep it above your clients' idle "
-                        f"expiry (httpx and openai: 5 s) (default: {KEEP_ALIVE_S:g})")
-    from conveyor.server.tools import add_tool_args
-
-    add_tool_args(p)
+    """`serve`'s own flags, one per `ServerArgs` field, plus `--served-model-name` (an `EngineConfig` field
+    that only a server has a use for)."""
+    groups = {key: p.add_argument_group(title) for key, title in SERVER_GROUPS.items()}
+    groups["server"].add_argument("--served-model-name", default=EngineConfig.served_model_name,
+                                  help="the model name clients send and see (default: the --model value)")
+    for f in fields(ServerArgs):
+        meta = f.metadata
+        kw = dict(meta["argparse"])
+        if callable(kw.get("choices")):
+            kw["choices"] = list(kw["choices"]())
+        text = meta["help"]() if callable(meta["help"]) else meta["help"]
+        default = _env_value(meta["env"], f.default) if meta["env"] else f.default
+        groups[meta["group"]].add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=default,
+                                           help=text or None, **kw)

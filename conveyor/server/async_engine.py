@@ -33,37 +33,18 @@ from conveyor.engine.engine_loop import (
     Stop,
     UnloadLoRA,
 )
-from conveyor.lora.request import LoRARequest
-from conveyor.outputs import StepDelta
-from conveyor.pooling import PoolingParams
+from conveyor.outputs import FinishReason, StepDelta
 from conveyor.request import sequence_ids
-from conveyor.sampling_params import SamplingParams
 from conveyor.server.metrics import EngineStats, ServerMetrics
 
 log = logging.getLogger("conveyor.server")
 request_log = logging.getLogger("conveyor.server.requests")
 
-__all__ = ["AsyncEngine", "EngineDeadError", "EngineInput", "QueueFullError", "Submission"]
+__all__ = ["AddRequest", "AsyncEngine", "EngineDeadError", "QueueFullError", "Submission"]
 
 
 class QueueFullError(RuntimeError):
     """The waiting queue holds `max_queued_requests` sequences, or `max_queued_tokens` prompt tokens, already."""
-
-
-@dataclass
-class EngineInput:
-    """One engine request: a prompt's token ids and how to sample `params.n` continuations."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: int = 0
-    cache_salt: str | None = None  # prefix-cache isolation: only requests with the same salt share blocks
-    pooling: PoolingParams | None = None  # an embedding request: pooled, not sampled (conveyor/pooling.py)
-    tenant: str | None = None  # who it is served for (None: the default tenant)
-    slo_ttft_s: float | None = None  # latency targets (None: the engine's defaults)
-    slo_tpot_s: float | None = None
-    lora_request: LoRARequest | None = None  # the adapter the request's `model` names (None: the base model)
 
 
 @dataclass
@@ -74,7 +55,7 @@ class _Seq:
     first_t: float | None = None
     last_t: float | None = None
     num_tokens: int = 0
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
 
 
 class Submission:
@@ -84,7 +65,7 @@ class Submission:
     sequence has finished and raises `EngineDeadError` if the engine dies meanwhile.
     """
 
-    def __init__(self, engine: AsyncEngine, api_id: str, inputs: list[EngineInput], arrival: float) -> None:
+    def __init__(self, engine: AsyncEngine, api_id: str, inputs: list[AddRequest], arrival: float) -> None:
         self.engine = engine
         self.api_id = api_id
         self.inputs = inputs
@@ -97,10 +78,11 @@ class Submission:
         # prompt tokens of engine requests that have produced nothing yet (queued or in prefill), by group id
         self.unstarted = {inp.request_id: len(inp.prompt_token_ids) * inp.params.n for inp in inputs}
 
-    # --- called on the event loop -----------------------------------------------------------------
-    def _on_delta(self, d: StepDelta, t: float) -> None:
+    # --- called by AsyncEngine, on the event loop --------------------------------------------------
+    def deliver(self, d: StepDelta, t: float) -> None:
+        """Route one of this call's deltas (emitted at `t`) to its iterator and its metrics."""
         if self.unstarted:
-            self.engine._started(self, d.group_id)
+            self.engine.started(self, d.group_id)
         seq = self.seqs.get(d.request_id)
         if seq is None:
             seq = self.seqs[d.request_id] = _Seq(self.arrival)
@@ -118,7 +100,7 @@ class Submission:
             seq.finish_reason = d.finish_reason
             self.remaining -= 1
             if metrics is not None:
-                scheduled = d.extra.get("first_scheduled_time")
+                scheduled = d.first_scheduled_time
                 queued = scheduled - self.arrival if scheduled is not None else None
                 metrics.observe_finish(d.finish_reason, None if seq.first_t is None else seq.first_t - self.arrival,
                                        t - self.arrival, queued)
@@ -126,7 +108,8 @@ class Submission:
                                               None if seq.first_t is None else seq.first_t - self.arrival, queued)
         self.queue.put_nowait(d)
 
-    def _fail(self, exc: BaseException) -> None:
+    def fail(self, exc: BaseException) -> None:
+        """End the iteration with `exc` (the engine died or refused the request)."""
         self.queue.put_nowait(exc)
 
     def __aiter__(self) -> AsyncIterator[StepDelta]:
@@ -150,9 +133,9 @@ class Submission:
                 for sid in sequence_ids(inp.request_id, inp.params.n):
                     seq = self.seqs.setdefault(sid, _Seq(self.arrival))
                     if seq.finish_reason is None:
-                        seq.finish_reason = "abort"
+                        seq.finish_reason = FinishReason.ABORT
                         if self.engine.metrics is not None:
-                            self.engine.metrics.observe_finish("abort", None, None, None)
+                            self.engine.metrics.observe_finish(FinishReason.ABORT, None, None, None)
         self._log()
 
     def _log(self) -> None:
@@ -223,7 +206,7 @@ class AsyncEngine:
         else:
             await asyncio.to_thread(self.client.join, timeout)
         for sub in list(self._subs.values()):
-            sub._fail(EngineDeadError("the server is shutting down"))
+            sub.fail(EngineDeadError("the server is shutting down"))
 
     @property
     def alive(self) -> bool:
@@ -237,7 +220,7 @@ class AsyncEngine:
         return self._stats
 
     # --- the HTTP side's API --------------------------------------------------------------------------
-    def submit(self, api_id: str, inputs: list[EngineInput]) -> Submission:
+    def submit(self, api_id: str, inputs: list[AddRequest]) -> Submission:
         """Queue one API call's requests. Raises EngineDeadError or QueueFullError (nothing queued then)."""
         if not self.alive:
             raise EngineDeadError(f"the engine is not running{f': {self.error}' if self.error else ''}")
@@ -260,9 +243,8 @@ class AsyncEngine:
         self._num_pending_adds += num
         self.queued_tokens += sum(sub.unstarted.values())
         for inp in inputs:
-            self.client.send(AddRequest(inp.request_id, inp.prompt_token_ids, inp.params, inp.priority,
-                                        sub.arrival, inp.cache_salt, inp.pooling, inp.tenant, inp.slo_ttft_s,
-                                        inp.slo_tpot_s, inp.lora_request))
+            inp.arrival_time = sub.arrival
+            self.client.send(inp)
         return sub
 
     async def set_scheduler(self, name: str, options: dict, timeout: float = 60.0) -> SchedulerSwitch:
@@ -307,7 +289,7 @@ class AsyncEngine:
             if abort:
                 self._abort(inp.request_id)
 
-    def _started(self, sub: Submission, group_id: str) -> None:
+    def started(self, sub: Submission, group_id: str) -> None:
         """A request's first output: its prompt tokens leave the queued count."""
         self.queued_tokens -= sub.unstarted.pop(group_id, 0)
 
@@ -329,12 +311,13 @@ class AsyncEngine:
             self._c.step_seqs += out.stats.num_seqs
         if out.snapshot is not None:
             self._publish(out)
-        for rid, message in out.failed:  # validated on the HTTP side, so this is a bug; the engine lives on
+        for failed in out.failed:  # validated on the HTTP side, so this is a bug; the engine lives on
+            rid, message = failed.request_id, failed.message
             log.error("add_request(%s) failed: %s", rid, message)
             sub = self._group_to_sub.get(rid)
             if sub is not None:
                 self._abort(rid)
-                sub._fail(RuntimeError(message))
+                sub.fail(RuntimeError(message))
         for sw in out.switched:
             fut = self._switches.get(sw.token)
             if fut is not None and not fut.done():
@@ -343,12 +326,12 @@ class AsyncEngine:
         for d in out.deltas:
             sub = self._group_to_sub.get(d.group_id)
             if sub is not None and not sub.closed:
-                sub._on_delta(d, now)
+                sub.deliver(d, now)
         if out.error is not None:
             log.error("the engine died: %s", out.error)
             self._stats = EngineStats(**{**self._stats.__dict__, "alive": False})
             for sub in list(self._subs.values()):
-                sub._fail(EngineDeadError(f"the engine died: {out.error}"))
+                sub.fail(EngineDeadError(f"the engine died: {out.error}"))
             for fut in self._switches.values():
                 if not fut.done():
                     fut.set_exception(EngineDeadError(f"the engine died: {out.error}"))

@@ -19,8 +19,8 @@ from starlette.responses import Response
 from conveyor.pooling import PoolingParams
 from conveyor.sampling_params import SamplingParams
 from conveyor.server import protocol as P
-from conveyor.server.async_engine import EngineDeadError, EngineInput
-from conveyor.server.serving import ApiError, OpenAIServing, _wait_disconnect, bad_request, parse_model
+from conveyor.server.async_engine import AddRequest, EngineDeadError
+from conveyor.server.serving import ApiError, OpenAIServing, bad_request, parse_model, wait_disconnect
 
 MAX_INPUTS = 2048  # as OpenAI
 
@@ -64,21 +64,21 @@ async def create_embeddings(serving: OpenAIServing, data: dict, request: Request
     pooling = PoolingParams(serving.pooling or "last", req.dimensions)
     params = SamplingParams(max_tokens=1, temperature=0.0)  # nothing is sampled: pooled at the prompt's end
     api_id = f"embd-{uuid.uuid4().hex}"
-    sub = serving.submit(api_id, [EngineInput(f"{api_id}-{i}", ids, params, req.priority, pooling=pooling)
+    sub = serving.submit(api_id, [AddRequest(f"{api_id}-{i}", ids, params, req.priority, pooling=pooling)
                                   for i, ids in enumerate(inputs)])
     index = {inp.request_id: i for i, inp in enumerate(sub.inputs)}
     vectors: list[list[float] | None] = [None] * len(inputs)
     errors: list[str] = []
 
     async def run() -> None:
-        async for d in serving._deltas(sub):
-            if d.extra.get("error"):
-                errors.append(d.extra["error"])
+        async for d in serving.deltas(sub):
+            if d.error:
+                errors.append(d.error)
             if d.embedding is not None:
                 vectors[index[d.group_id]] = d.embedding
 
     work = asyncio.ensure_future(run())
-    watch = asyncio.ensure_future(_wait_disconnect(request))
+    watch = asyncio.ensure_future(wait_disconnect(request))
     try:
         done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -93,7 +93,7 @@ async def create_embeddings(serving: OpenAIServing, data: dict, request: Request
     except EngineDeadError as e:
         raise ApiError(503, str(e), "service_unavailable", code="engine_dead") from None
     except (TimeoutError, asyncio.TimeoutError):
-        raise serving._timeout_error() from None
+        raise serving.timeout_error() from None
     if errors or any(v is None for v in vectors):
         raise ApiError(500, f"the request failed in the engine: {errors[0] if errors else 'aborted'}",
                        "internal_error", code="request_failed")

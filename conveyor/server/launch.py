@@ -243,11 +243,11 @@ def run_server(args: argparse.Namespace) -> int:
 
     The engine loads behind a `LoadingApp`, except with `--engine-loop inline`, whose engine is
     stepped on the event loop's thread and so is built there, before serving (the naive design)."""
-    from conveyor.cli import engine_config_from_args
+    from conveyor.engine.args import engine_config_from_args
 
     if getattr(args, "log_level", "WARNING").upper() == "WARNING":  # the CLI default: a server logs at INFO
         logging.getLogger("conveyor").setLevel(logging.INFO)
-    cfg = engine_config_from_args(args, populate_default=True, served_model_name=args.served_model_name)
+    cfg = engine_config_from_args(args, {"kv_cache_populate": True}, served_model_name=args.served_model_name)
     sargs = ServerArgs.from_namespace(args)
     sock = bind_listen_socket(sargs.host, sargs.port)
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import os
 import threading
 
@@ -21,6 +20,7 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
 
+from conveyor.config import json_object
 from conveyor.lora.adapter import AdapterError, LoRASpec, check_adapter
 from conveyor.lora.request import LoRARequest
 from conveyor.server.serving import ApiError, OpenAIServing, bad_request
@@ -32,12 +32,7 @@ def parse_lora_module(text: str) -> tuple[str, str]:
     """`name=path`, or vLLM's JSON form `{"name": ..., "path": ...}`."""
     text = text.strip()
     if text.startswith("{"):
-        try:
-            obj = json.loads(text)
-        except ValueError as e:
-            raise ValueError(f"--lora-modules {text!r}: not valid JSON ({e})") from None
-        if not isinstance(obj, dict):
-            raise ValueError(f"--lora-modules {text!r}: the JSON form is an object with name and path")
+        obj = json_object(text, f"--lora-modules {text!r}")
         name, path = obj.get("name"), obj.get("path")
     else:
         name, sep, path = text.partition("=")

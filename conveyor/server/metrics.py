@@ -9,6 +9,7 @@ Each server owns a `CollectorRegistry`, so several servers can live in one proce
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -24,7 +25,9 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import EngineInfo
+from conveyor.outputs import FinishReason
 from conveyor.scheduler.policies import POLICIES
 
 disable_created_metrics()  # no `_created` series, as in vLLM: they double the output for nothing
@@ -175,11 +178,24 @@ class TenantLabels:
         return OTHER_TENANT
 
 
+def config_labels(config: EngineConfig) -> dict[str, str]:
+    """Every scalar option of `config` (str, number, bool or unset) as a label value, in declaration
+    order; dicts, lists and paths to the model are left out (they are not facts to group series by)."""
+    out = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if f.name in ("model", "tokenizer") or not (value is None or isinstance(value, (str, int, float, bool))):
+            continue
+        out[f.name] = "" if value is None else str(value)
+    return out
+
+
 class ServerMetrics:
     def __init__(self, model_name: str, snapshot: Callable[[], EngineStats], info: EngineInfo | None = None,
-                 max_tenants: int = 16) -> None:
+                 max_tenants: int = 16, config: EngineConfig | None = None) -> None:
         """`info`: what the engine was built with (weight and KV dtypes, KV capacity), shown as gauges.
-        `max_tenants`: tenants with series of their own in the per-tenant metrics (the rest: "other")."""
+        `max_tenants`: tenants with series of their own in the per-tenant metrics (the rest: "other").
+        `config`: the engine's options, every scalar one a label of `conveyor:engine_config_info`."""
         self.registry = CollectorRegistry(auto_describe=True)
         self.listeners: list = []  # objects with observe_finish / observe_itl (the dashboard), told the same
         self.registry.register(_EngineCollector(snapshot, model_name, info.max_loras if info is not None else 0))
@@ -191,6 +207,10 @@ class ServerMetrics:
                 model_name, info.weight_dtype, info.kv_cache_dtype, str(info.block_size)).set(1)
             Gauge("conveyor:kv_cache_capacity_tokens", "Tokens the KV pool holds when full.", labels,
                   registry=self.registry).labels(model_name).set(info.kv_cache_tokens)
+        if config is not None:  # generated from EngineConfig's declaration: a new option shows up by itself
+            facts = config_labels(config)
+            Gauge("conveyor:engine_config_info", "The engine's options as started (one label each; value 1).",
+                  labels + list(facts), registry=self.registry).labels(model_name, *facts.values()).set(1)
         self.request_success = Counter("conveyor:request_success", "Finished sequences by finish reason.",
                                        labels + ["finished_reason"], registry=self.registry)
         self.ttft = Histogram("conveyor:time_to_first_token_seconds", "Arrival to first token.", labels,
@@ -228,7 +248,7 @@ class ServerMetrics:
         self.lora_requests = Counter("conveyor:lora_requests", "Requests received per LoRA adapter.",
                                      labels + ["lora_name"], registry=self.registry)
         # Pre-create the common label sets so they show up (as 0) before the first request.
-        for reason in ("stop", "length", "abort"):
+        for reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT):
             self.request_success.labels(model_name, reason)
         for mode in ("auto", "required", "named"):
             self.tool_call_responses.labels(model_name, mode)

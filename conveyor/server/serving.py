@@ -24,11 +24,11 @@ from starlette.types import Receive, Scope, Send
 from conveyor.engine.llm_engine import validate_prompt
 from conveyor.engine.output_processor import RequestOutputBuilder
 from conveyor.lora.request import LoRARequest
-from conveyor.outputs import RequestOutput
-from conveyor.sampling_params import SamplingParams, StructuredOutputsParams
+from conveyor.outputs import FinishReason, RequestOutput
+from conveyor.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
 from conveyor.server import protocol as P
 from conveyor.server import tools as T
-from conveyor.server.async_engine import AsyncEngine, EngineDeadError, EngineInput, QueueFullError, Submission
+from conveyor.server.async_engine import AddRequest, AsyncEngine, EngineDeadError, QueueFullError, Submission
 from conveyor.server.tenancy import TenantRule, slo_seconds
 
 _TOKENIZE_IN_THREAD_CHARS = 4096  # longer prompts are tokenized off the event loop
@@ -129,12 +129,12 @@ class SSEResponse(StreamingResponse):
 _UNICODE_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
-def _sse(obj: BaseModel | dict) -> str:
+def sse_event(obj: BaseModel | dict) -> str:
     body = obj.model_dump_json(exclude_unset=False) if isinstance(obj, BaseModel) else json.dumps(obj)
     return f"data: {body.translate(_UNICODE_LINE_BREAKS)}\n\n"
 
 
-async def _wait_disconnect(request: Request) -> None:
+async def wait_disconnect(request: Request) -> None:
     while True:
         msg = await request.receive()
         if msg["type"] == "http.disconnect":
@@ -211,10 +211,8 @@ class OpenAIServing:
                 bias = {int(k): v for k, v in req.logit_bias.items()}
             except ValueError:
                 raise bad_request("logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
-            if any(not 0 <= t < self.vocab_size for t in bias):
-                raise bad_request(f"logit_bias keys must be token ids in [0, {self.vocab_size})", "logit_bias")
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 n=req.n, temperature=pick(req.temperature, "temperature", 1.0),
                 top_p=pick(req.top_p, "top_p", 1.0), top_k=pick(req.top_k, "top_k", 0) or 0,
                 min_p=pick(req.min_p, "min_p", 0.0), seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
@@ -223,8 +221,10 @@ class OpenAIServing:
                 repetition_penalty=pick(req.repetition_penalty, "repetition_penalty", 1.0),
                 skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
                 logit_bias=bias, prompt_logprobs=prompt_logprobs, structured_outputs=structured)
+            params.check_vocab(self.vocab_size)
         except ValueError as e:
-            raise bad_request(str(e), str(e).split(" ", 1)[0]) from None
+            raise bad_request(str(e), e.param if isinstance(e, ParamError) else None) from None
+        return params
 
     async def structured_outputs(self, req: P.CompletionRequest | P.ChatCompletionRequest
                                  ) -> StructuredOutputsParams | None:
@@ -274,7 +274,7 @@ class OpenAIServing:
         except ValueError as e:
             raise bad_request(str(e), param) from None
 
-    def submit(self, api_id: str, inputs: list[EngineInput]) -> Submission:
+    def submit(self, api_id: str, inputs: list[AddRequest]) -> Submission:
         try:
             return self.aengine.submit(api_id, inputs)
         except QueueFullError as e:  # Retry-After: about when a queue of this length has moved on
@@ -300,18 +300,18 @@ class OpenAIServing:
                                                              inp.prompt_token_ids, logprobs=True)
                         for inp in sub.inputs}
             async for d in sub:
-                if d.extra.get("error"):
-                    errors.append(d.extra["error"])
+                if d.error:
+                    errors.append(d.error)
                 builders[d.group_id].add(d)
             outs = [b.build() for b in builders.values()]
             for o, b in zip(outs, builders.values()):
                 o.num_cached_tokens = b.num_cached_tokens
                 for c in o.outputs:
-                    c.finish_reason = c.finish_reason or "abort"
+                    c.finish_reason = c.finish_reason or FinishReason.ABORT
             return outs
 
         work = asyncio.ensure_future(run())
-        watch = asyncio.ensure_future(_wait_disconnect(request))
+        watch = asyncio.ensure_future(wait_disconnect(request))
         try:
             done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED,
                                          timeout=self._time_left(sub))
@@ -321,7 +321,7 @@ class OpenAIServing:
                 work.cancel()
             sub.close()  # aborts whatever is unfinished: its blocks are freed
         if not done:
-            raise self._timeout_error()
+            raise self.timeout_error()
         if work not in done:
             return None
         try:
@@ -338,11 +338,11 @@ class OpenAIServing:
             return None
         return max(self.request_timeout - (time.monotonic() - sub.arrival), 0.0)
 
-    def _timeout_error(self) -> ApiError:
+    def timeout_error(self) -> ApiError:
         return ApiError(408, f"the request did not finish within --request-timeout ({self.request_timeout:g} s); "
                              "it was aborted", "timeout_error", code="request_timeout")
 
-    async def _deltas(self, sub: Submission) -> AsyncIterator:
+    async def deltas(self, sub: Submission) -> AsyncIterator:
         """`sub`'s deltas, until the request's deadline (--request-timeout): then TimeoutError."""
         it = sub.__aiter__()
         while True:
@@ -384,7 +384,7 @@ class OpenAIServing:
         api_id = f"cmpl-{uuid.uuid4().hex}"
         extra = self.request_fields(req, request)
         lora = self.lora_for(req.model)
-        inputs = [EngineInput(f"{api_id}-{i}", ids, params, req.priority, req.cache_salt, lora_request=lora, **extra)
+        inputs = [AddRequest(f"{api_id}-{i}", ids, params, req.priority, req.cache_salt, lora_request=lora, **extra)
                   for i, (_, ids) in enumerate(prompts)]
         sub = self.submit(api_id, inputs)
         model = req.model or self.model_names[0]
@@ -473,21 +473,21 @@ class OpenAIServing:
 
         def chunk(choice: P.CompletionChoice) -> str:
             c = P.CompletionChunk(id=sub.api_id, created=created, model=model, choices=[choice])
-            return _sse(c)
+            return sse_event(c)
 
         try:
             if req.echo:
                 for i in range(len(prompts)):
                     for j in range(req.n):
                         yield chunk(P.CompletionChoice(index=i * req.n + j, text=echo[i]))
-            async for d in self._deltas(sub):
-                if d.extra.get("error"):  # this request failed alone: say so in-band and end the stream
-                    yield self._request_error_event(d.extra["error"])
+            async for d in self.deltas(sub):
+                if d.error:  # this request failed alone: say so in-band and end the stream
+                    yield self._request_error_event(d.error)
                     break
                 completion_tokens += len(d.new_token_ids)
                 if d.finished and d.index == 0:
-                    cached += d.extra.get("num_cached_tokens", 0)
-                prompt_lps = d.extra.get("prompt_logprobs")  # with each sequence's first token (vLLM)
+                    cached += d.num_cached_tokens
+                prompt_lps = d.prompt_logprobs  # with each sequence's first token (vLLM)
                 if not d.new_text and not d.finished and req.logprobs is None and prompt_lps is None:
                     continue
                 lp = None
@@ -501,9 +501,9 @@ class OpenAIServing:
                                                prompt_logprobs=self._vllm_prompt_logprobs(prompt_lps)))
             if include_usage:
                 usage = _usage(sum(len(ids) for _, ids in prompts), completion_tokens, cached)
-                yield _sse(P.CompletionChunk(id=sub.api_id, created=created, model=model, choices=[], usage=usage))
+                yield sse_event(P.CompletionChunk(id=sub.api_id, created=created, model=model, choices=[], usage=usage))
         except (TimeoutError, asyncio.TimeoutError):  # --request-timeout: abort (finally) and say so in-band
-            yield f"data: {json.dumps(self._timeout_error().body())}\n\n"
+            yield f"data: {json.dumps(self.timeout_error().body())}\n\n"
         except Exception as e:  # the engine died mid-stream: tell the client in-band
             yield self._error_event(e)
         finally:
@@ -532,7 +532,7 @@ class OpenAIServing:
                                       structured=structured)
         self.check_prompt(ids, params, "messages")
         api_id = f"chatcmpl-{uuid.uuid4().hex}"
-        sub = self.submit(api_id, [EngineInput(f"{api_id}-0", ids, params, req.priority, req.cache_salt,
+        sub = self.submit(api_id, [AddRequest(f"{api_id}-0", ids, params, req.priority, req.cache_salt,
                                                lora_request=self.lora_for(req.model),
                                                **self.request_fields(req, request))])
         model = req.model or self.model_names[0]
@@ -646,18 +646,18 @@ class OpenAIServing:
         completion_tokens = cached = 0
 
         def chunk(choice: P.ChatStreamChoice) -> str:
-            return _sse(P.ChatCompletionChunk(id=sub.api_id, created=created, model=model, choices=[choice]))
+            return sse_event(P.ChatCompletionChunk(id=sub.api_id, created=created, model=model, choices=[choice]))
 
         try:
             for j in range(req.n):
                 yield chunk(P.ChatStreamChoice(index=j, delta=P.DeltaMessage(role="assistant", content="")))
-            async for d in self._deltas(sub):
-                if d.extra.get("error"):  # this request failed alone: say so in-band and end the stream
-                    yield self._request_error_event(d.extra["error"])
+            async for d in self.deltas(sub):
+                if d.error:  # this request failed alone: say so in-band and end the stream
+                    yield self._request_error_event(d.error)
                     break
                 completion_tokens += len(d.new_token_ids)
                 if d.finished and d.index == 0:
-                    cached += d.extra.get("num_cached_tokens", 0)
+                    cached += d.num_cached_tokens
                 if not d.new_text and not d.finished and not req.logprobs:
                     continue
                 lp = None
@@ -681,10 +681,10 @@ class OpenAIServing:
                                                finish_reason=reason, stop_reason=d.stop_reason))
             if include_usage:
                 usage = _usage(num_prompt, completion_tokens, cached)
-                yield _sse(P.ChatCompletionChunk(id=sub.api_id, created=created, model=model, choices=[],
+                yield sse_event(P.ChatCompletionChunk(id=sub.api_id, created=created, model=model, choices=[],
                                                  usage=usage))
         except (TimeoutError, asyncio.TimeoutError):
-            yield f"data: {json.dumps(self._timeout_error().body())}\n\n"
+            yield f"data: {json.dumps(self.timeout_error().body())}\n\n"
         except Exception as e:
             yield self._error_event(e)
         finally:

@@ -227,22 +227,3 @@ def template_messages(messages: list[P.ChatMessage]) -> list[dict]:
 
 def response_calls(calls: list[ParsedCall]) -> list[P.ToolCall] | None:
     return [P.ToolCall(id=c.id, function=P.FunctionCall(name=c.name, arguments=c.arguments)) for c in calls] or None
-
-
-def add_tool_args(p) -> None:
-    """The server's tool-calling, template and embedding flags (vLLM's names)."""
-    from conveyor.pooling import POOLING_METHODS
-    from conveyor.server.tool_parsers import TOOL_PARSERS
-
-    g = p.add_argument_group("tools and templates")
-    g.add_argument("--chat-template", default=None,
-                   help="a Jinja chat template to use instead of the tokenizer's: a file, Jinja text, or a shipped "
-                        f"one by name ({', '.join(builtin_templates())}: SmolLM2 with tools, Hermes format)")
-    g.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help='serve tool_choice="auto": the model\'s text is read for tool calls by --tool-call-parser')
-    g.add_argument("--tool-call-parser", default=None,
-                   help=f"how tool calls are read from model text for \"auto\": {', '.join(sorted(TOOL_PARSERS))}")
-    e = p.add_argument_group("embeddings")
-    e.add_argument("--pooling", default=None, choices=list(POOLING_METHODS),
-                   help="/v1/embeddings pooling over the last hidden states (default: the model's "
-                        "sentence-transformers pooling config if it has one, else the last token)")

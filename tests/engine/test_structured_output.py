@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conveyor import LLM, SamplingParams, StructuredOutputsParams
-from conveyor.engine.structured_output import GrammarMask
+from conveyor.runner.grammar_mask import GrammarMask
 
 SCHEMA = {"type": "object", "properties": {"k": {"type": "string", "maxLength": 6},
                                            "n": {"type": "integer", "minimum": 0, "maximum": 999}},

@@ -34,7 +34,7 @@ def test_adapter_rows_are_batch_invariant(setup):
     model, a, b = setup
     llm = LLM(str(model), num_kv_blocks=2048, max_model_len=512, enable_lora=True, max_loras=2,
               max_num_seqs=80, enable_prefix_caching=False)
-    assert llm.engine.runner.lora.kernel is not None and llm.engine.runner.batch_invariant
+    assert llm.engine.info.lora_kernel and llm.engine.info.batch_invariant
     rng = random.Random(0)
     probe = [rng.randrange(10, 300) for _ in range(37)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
@@ -49,4 +49,4 @@ def test_adapter_rows_are_batch_invariant(setup):
     got = run(crowd[:17] + [probe] + crowd[17:], loras[:17] + [a] + loras[17:])[17]
     assert got[0] == alone[0]
     assert repr(got[1]) == repr(alone[1])  # the logprobs, bit for bit
-    assert llm.engine.kv.pool.num_free == llm.engine.kv.num_blocks
+    assert llm.engine.snapshot().kv_blocks_used == 0

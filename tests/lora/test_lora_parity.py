@@ -74,7 +74,7 @@ def test_mixed_adapters_match_hf_peft_merged(tiny_llama, adapters, workload, pat
     llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=256, max_model_len=256, enable_lora=True,
               max_loras=4, max_num_batched_tokens=64, max_num_seqs=64)
     assert llm.engine.config.enable_prefix_caching
-    assert (llm.engine.runner.lora.kernel is not None) == (path == "kernel")
+    assert llm.engine.info.lora_kernel == (path == "kernel")
     steps = record_steps(llm.engine)
     for attempt in ("cold", "cached"):  # the second pass reads its prefixes from the cache
         outs = run(llm, prompts, loras, adapters)
@@ -84,7 +84,7 @@ def test_mixed_adapters_match_hf_peft_merged(tiny_llama, adapters, workload, pat
     assert sum(o.metrics.num_cached_tokens for o in outs) > 0
     assert max(s.num_tokens for s in steps) <= 64 and max(len(p) for p in prompts) > 64  # chunked prefill ran
     assert max(s.num_seqs for s in steps) >= 16  # the adapters really shared steps
-    assert llm.engine.kv.pool.num_free == llm.engine.kv.num_blocks
+    assert llm.engine.snapshot().kv_blocks_used == 0
 
 
 def test_adapter_really_changes_outputs(hf_tiny, workload):
@@ -100,19 +100,11 @@ def test_max_loras_caps_adapters_per_step(tiny_llama, adapters, workload):
     prompts, loras, want = workload
     llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=256, max_model_len=256, enable_lora=True,
               max_loras=2, max_cpu_loras=4)
-    seen = []
-    real = llm.engine.scheduler.schedule
-
-    def schedule():
-        plan = real()
-        seen.append(set(plan.lora_ids))
-        return plan
-
-    llm.engine.scheduler.schedule = schedule
+    steps = record_steps(llm.engine)
     outs = run(llm, prompts, loras, adapters)
     assert [o.outputs[0].token_ids for o in outs] == want  # the order the scheduler picks changes no token
-    assert max(len(s) for s in seen) == 2
-    assert llm.engine.scheduler.num_lora_deferrals > 0  # resident adapters went first (prefer_resident_loras)
+    assert max(len(s.lora_ids) for s in steps) == 2
+    assert llm.engine.snapshot().lora_deferrals > 0  # resident adapters went first (prefer_resident_loras)
 
 
 def test_lru_keeps_at_most_max_cpu_loras(tiny_llama, adapters, workload):

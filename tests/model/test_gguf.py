@@ -118,12 +118,12 @@ def prompts(vocab: int) -> list[list[int]]:
 
 def test_permutation_roundtrip_is_not_identity():
     """Guard for the test itself: the permutation must move rows, and the loader must undo it."""
-    from conveyor.model.loader import _unpermute
+    from conveyor.model.loader import unpermute
 
     w = np.arange(8 * 16 * 3, dtype=np.float32).reshape(8 * 16, 3)
     p = llama_cpp_permute(w, 8)
     assert not np.array_equal(p, w)
-    np.testing.assert_array_equal(_unpermute(p, 8), w)
+    np.testing.assert_array_equal(unpermute(p, 8), w)
 
 
 def test_gguf_greedy_matches_hf(tiny_gguf, hf_tiny):
@@ -222,14 +222,7 @@ def test_unsupported_gguf_architecture_is_named(tmp_path):
 @torch.inference_mode()
 def prompt_logits(llm, ids: list[int]) -> torch.Tensor:
     """Logits of every position of one prompt, straight through the engine's model and KV cache."""
-    from conveyor.model.attention import build_metadata
-
-    runner = llm.engine.runner
-    bs = runner.block_size
-    meta = build_metadata([len(ids)], [len(ids)], [list(range(-(-len(ids) // bs)))], bs, runner.device,
-                          runner.attention_backend)
-    hidden = runner.model(torch.tensor(ids), torch.arange(len(ids)), runner.kv_caches, meta)
-    return runner.model.compute_logits(hidden)
+    return llm.engine.prompt_logits(ids)
 
 
 @pytest.mark.parametrize("qtype,method", [("Q4_0", "int4"), ("Q4_1", "int4"), ("Q8_0", "int8")])
@@ -242,7 +235,7 @@ def test_gguf_kept_quantized_matches_dequantized(qtype, method, tiny_llama, tmp_
     write_llama_gguf(path, tiny_llama, qtype=qtype)
     dense = LLM(str(path), dtype="float32", num_kv_blocks=32, max_model_len=256)
     quant = LLM(str(path), dtype="float32", num_kv_blocks=32, max_model_len=256, quantization=method)
-    qkv = quant.engine.runner.model.layers[0].self_attn.qkv_proj
+    qkv = quant.engine.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, QuantizedLinear) and qkv.bits == (4 if method == "int4" else 8)
     if method == "int4":  # the file's own blocks: the same weight as the dequantized file, value for value
         from conveyor.model.loader import load_checkpoint

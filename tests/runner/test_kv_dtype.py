@@ -4,7 +4,6 @@ blocks (prefix caching, parallel sampling, preemption) working on its scales as 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from conveyor import LLM, SamplingParams
 from tests.conftest import build_tiny_llama
@@ -18,12 +17,13 @@ def model_dir(tmp_path_factory):  # head_dim 64 with GQA 3, as SmolLM2
 
 def test_int8_pool_holds_1_9x_the_blocks(model_dir):
     kw = dict(dtype="bfloat16", kv_cache_memory=0.01, max_model_len=256)
-    bf16 = LLM(str(model_dir), **kw).engine.runner
-    int8 = LLM(str(model_dir), kv_cache_dtype="int8", **kw).engine.runner
-    assert int8.kv_caches[0][0].dtype == torch.int8 and len(int8.kv_caches[0]) == 4
-    assert int8.num_blocks >= 1.9 * bf16.num_blocks, (int8.num_blocks, bf16.num_blocks)
-    used = sum(t.numel() * t.element_size() for cache in int8.kv_caches for t in cache)
-    assert used <= 0.01 * 2**30  # the scales are inside the budget
+    bf16 = LLM(str(model_dir), **kw).engine.info
+    int8 = LLM(str(model_dir), kv_cache_dtype="int8", **kw).engine.info
+    assert int8.kv_cache_dtype == "int8" and bf16.kv_cache_dtype == "bfloat16"
+    assert int8.num_kv_blocks >= 1.9 * bf16.num_kv_blocks, (int8.num_kv_blocks, bf16.num_kv_blocks)
+    # bytes_per_block counts the fp16 scales beside the int8 K/V: they are inside the budget
+    assert int8.bytes_per_block > 2 * 2 * 64 * 16  # more than bare int8 K and V of one layer's block
+    assert int8.num_kv_blocks * int8.bytes_per_block <= 0.01 * 2**30
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])
@@ -39,10 +39,10 @@ def test_int8_cache_sharing_and_preemption_change_nothing(model_dir, backend):
     llm.generate([prompt], sp, use_tqdm=False)  # fills the prefix cache
     out = llm.generate([prompt], SamplingParams(n=3, max_tokens=24, temperature=0, ignore_eos=True),
                        use_tqdm=False)[0]
-    assert llm.engine.kv.prefix_hits > 0
+    assert llm.engine.snapshot().prefix_hits > 0
     assert [c.token_ids for c in out.outputs] == [want] * 3
     small = LLM(str(model_dir), kv_cache_dtype="int8", attention_backend=backend, num_kv_blocks=12,
                 max_model_len=128, enable_prefix_caching=False)
     outs = small.generate([prompt] * 4, sp, use_tqdm=False)
-    assert small.engine.scheduler.num_preemptions > 0
+    assert small.engine.snapshot().preemptions > 0
     assert all(o.outputs[0].token_ids == want for o in outs)

@@ -9,7 +9,7 @@ import errno
 import psutil
 
 from conveyor import LLM, SamplingParams
-from conveyor.cli import add_engine_args, engine_config_from_args
+from conveyor.engine.args import add_engine_args, engine_config_from_args
 
 POOL_GIB = 0.25
 
@@ -27,7 +27,7 @@ def test_populated_pool_is_resident_and_lazy_one_is_not(tiny_llama):
     before = rss()
     lazy = make(tiny_llama, False)
     lazy_growth = rss() - before
-    pool = lazy.engine.runner.num_blocks * lazy.engine.runner.bytes_per_block
+    pool = lazy.engine.info.num_kv_blocks * lazy.engine.info.bytes_per_block
     assert pool > 0.2 * 2**30
     before = rss()
     eager = make(tiny_llama, True)
@@ -35,7 +35,7 @@ def test_populated_pool_is_resident_and_lazy_one_is_not(tiny_llama):
     assert lazy_growth < 0.5 * pool, "a lazy pool should not be resident before it is used"
     assert eager_growth > 0.9 * pool, "a populated pool should be resident after startup"
     # the contents were left zero (a masked slot must meet 0, never garbage) and outputs do not change
-    assert all(not t.any() for layer in eager.engine.runner.kv_caches for t in layer)
+    assert eager.engine.kv_pool_is_zero()
     params = SamplingParams(max_tokens=8, temperature=0)
     prompts = [[5, 6, 7, 8, 9], [11, 12]]
     out_lazy = [o.outputs[0].token_ids for o in lazy.generate(prompts, params, use_tqdm=False)]
@@ -50,7 +50,7 @@ def test_without_madvise_populate_the_pool_is_written_with_zeros(tiny_llama, mon
     monkeypatch.setattr(model_runner, "_madvise_populate", lambda t: errno.EINVAL)
     before = rss()
     llm = make(tiny_llama, True)
-    pool = llm.engine.runner.num_blocks * llm.engine.runner.bytes_per_block
+    pool = llm.engine.info.num_kv_blocks * llm.engine.info.bytes_per_block
     assert rss() - before > 0.9 * pool
     out = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
@@ -62,7 +62,7 @@ def test_out_of_memory_leaves_the_pool_lazy(tiny_llama, monkeypatch, caplog):
     monkeypatch.setattr(model_runner, "_madvise_populate", lambda t: errno.ENOMEM)
     before = rss()
     llm = make(tiny_llama, True)
-    pool = llm.engine.runner.num_blocks * llm.engine.runner.bytes_per_block
+    pool = llm.engine.info.num_kv_blocks * llm.engine.info.bytes_per_block
     assert rss() - before < 0.5 * pool
     assert "stays lazy" in caplog.text
 
@@ -74,7 +74,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def test_cli_default_depends_on_the_command():
-    assert engine_config_from_args(parse([]), populate_default=True).kv_cache_populate is True
+    assert engine_config_from_args(parse([]), {"kv_cache_populate": True}).kv_cache_populate is True
     assert engine_config_from_args(parse([])).kv_cache_populate is False
-    assert engine_config_from_args(parse(["--no-kv-cache-populate"]), populate_default=True).kv_cache_populate is False
+    populate = {"kv_cache_populate": True}
+    assert engine_config_from_args(parse(["--no-kv-cache-populate"]), populate).kv_cache_populate is False
     assert engine_config_from_args(parse(["--kv-cache-populate"])).kv_cache_populate is True

@@ -22,18 +22,18 @@ def test_higher_utilization_gives_more_kv_blocks(tiny_llama):
     if psutil.virtual_memory().available < 2 * GiB:
         pytest.skip("needs 2 GiB of free RAM")
     kw = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=256, max_num_seqs=8)
-    small = LLM(str(tiny_llama), gpu_memory_utilization=fraction(0.3), **kw).engine.runner
-    large = LLM(str(tiny_llama), gpu_memory_utilization=fraction(0.6), **kw).engine.runner
-    assert large.num_blocks > small.num_blocks > 0
+    small = LLM(str(tiny_llama), gpu_memory_utilization=fraction(0.3), **kw).engine.info
+    large = LLM(str(tiny_llama), gpu_memory_utilization=fraction(0.6), **kw).engine.info
+    assert large.num_kv_blocks > small.num_kv_blocks > 0
     # about 0.3 GiB more RAM buys about 0.3 GiB more KV (the process's RSS moved a little in between)
-    extra = (large.num_blocks - small.num_blocks) * large.bytes_per_block / GiB
+    extra = (large.num_kv_blocks - small.num_kv_blocks) * large.bytes_per_block / GiB
     assert 0.15 < extra < 0.45, extra
 
 
 def test_kv_cache_memory_wins(tiny_llama):
-    runner = LLM(str(tiny_llama), dtype="float32", max_model_len=256, kv_cache_memory=0.01,
-                 gpu_memory_utilization=fraction(0.5)).engine.runner
-    assert runner.num_blocks * runner.bytes_per_block <= 0.01 * GiB
+    info = LLM(str(tiny_llama), dtype="float32", max_model_len=256, kv_cache_memory=0.01,
+               gpu_memory_utilization=fraction(0.5)).engine.info
+    assert info.num_kv_blocks * info.bytes_per_block <= 0.01 * GiB
 
 
 @pytest.mark.parametrize("bad", [0.0, -0.5, 1.5])

@@ -84,4 +84,4 @@ def test_offline_generate_reports_the_failed_request(tiny_llama, monkeypatch):
                         SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
     assert outs[0].outputs[0].finish_reason == "error"
     assert outs[1].outputs[0].finish_reason == "length" and len(outs[1].outputs[0].token_ids) == 4
-    assert llm.engine.kv.pool.num_used == 0
+    assert llm.engine.snapshot().kv_blocks_used == 0

@@ -206,8 +206,7 @@ def test_load_unload_under_load_loses_nothing(lora_server, adapter_dirs):
     assert snap["conveyor:num_requests_running"] == 0
     loaded = {r.lora_name for r in engine.list_loras()}  # read between steps: the loop is idle
     assert "cycled" not in loaded and len(loaded) <= 2
-    assert not any(lid not in {r.lora_int_id for r in engine.list_loras()}
-                   for layer in engine.runner.lora.layers for lin in layer.values() for lid in lin.stacked)
+    assert engine.lora_weights_held() <= {r.lora_int_id for r in engine.list_loras()}
 
 
 @pytest.mark.parametrize("case", ["missing", "rank", "malformed", "no-enable-lora", "bad-flag"])

@@ -180,3 +180,6 @@ def test_metrics_names(server, client):
     assert m["conveyor:kv_cache_capacity_tokens"] == m["conveyor:kv_cache_blocks_total"] * block_size
     assert any(k.startswith("conveyor:model_config_info{weight_dtype=") for k in m)
     assert any(k.startswith("conveyor:model_config_info{kv_cache_dtype=") for k in m)
+    # every engine option, generated from EngineConfig's declaration
+    assert any(k.startswith("conveyor:engine_config_info{max_num_seqs=") for k in m)
+    assert any(k.startswith("conveyor:engine_config_info{scheduler=") for k in m)

@@ -6,7 +6,7 @@ import json
 
 from pydantic import BaseModel
 
-from conveyor.server.serving import _sse
+from conveyor.server.serving import sse_event
 
 TRICKY = "a\u2028b\x85c\u2029d\x1ce\x0bf\rg\nh"  # every character str.splitlines() breaks at
 
@@ -17,7 +17,7 @@ class Chunk(BaseModel):
 
 def test_a_chunk_is_one_line_whatever_its_text_holds():
     for obj in (Chunk(text=TRICKY), {"text": TRICKY}):
-        event = _sse(obj)
+        event = sse_event(obj)
         assert event.endswith("\n\n")
         lines = [line for line in event.splitlines() if line]
         assert len(lines) == 1, lines  # httpx's aiter_lines() cut such chunks in two (seen in the soak test)
