@@ -99,9 +99,13 @@ def extensions() -> list[Extension]:
         raise RuntimeError("the C++ compiler compiles none of the kernel variants (conveyor/kernels/variants.py)")
     # the longest compile first (the bindings, ~10 s of CPU; the AVX-512 variants' attention ~11-14 s; the
     # others ~5 s), so that the parallel workers end together
+    # -fopenmp: the bindings' at::parallel_for is ATen's inline OpenMP loop (torch's parallel backend), the one
+    # thread pool every kernel runs on; compiled without it, the pragma is dropped and every kernel runs on
+    # one thread (tests/kernels/test_build.py checks that a kernel uses more than one)
     bindings = CppExtension("conveyor.kernels._C", [str(CSRC / "bindings.cpp")], include_dirs=[str(CSRC)],
                             depends=depends(),
-                            extra_compile_args=FLAGS + [f'-DCONVEYOR_SOURCE_HASH="{source_hash()}"'])
+                            extra_compile_args=FLAGS + ["-fopenmp", f'-DCONVEYOR_SOURCE_HASH="{source_hash()}"'],
+                            extra_link_args=["-fopenmp"])
     return [bindings] + [variant_extension(v) for v in chosen]
 
 

@@ -47,7 +47,9 @@ log = logging.getLogger("conveyor.kernels")
 
 _SRC = Path(__file__).parent / "csrc"
 JIT_VARIANT = "native"
-_FLAGS = ["-O3", "-march=native", f"-DCONVEYOR_VARIANT={JIT_VARIANT}", f"-DCONVEYOR_BUILTIN_VARIANT={JIT_VARIANT}"]
+# -fopenmp: at::parallel_for in the bindings is ATen's inline OpenMP loop; without it every kernel runs on one thread
+_FLAGS = ["-O3", "-march=native", "-fopenmp", f"-DCONVEYOR_VARIANT={JIT_VARIANT}",
+          f"-DCONVEYOR_BUILTIN_VARIANT={JIT_VARIANT}"]
 _lock = threading.Lock()
 _cached: ModuleType | None = None
 _tried = False
@@ -242,7 +244,7 @@ def _build(name: str, build_dir: Path, files: list[Path]) -> ModuleType:
     threading.Thread(target=progress, name="conveyor-kernel-build-progress", daemon=True).start()
     try:
         module = build(name=name, sources=[str(src / f.name) for f in files if f.suffix == ".cpp"],
-                       extra_cflags=_FLAGS,
+                       extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
                        extra_include_paths=[str(src)], build_directory=str(build_dir), verbose=False)
     finally:
         done.set()

@@ -135,3 +135,24 @@ def test_the_variant_is_the_most_capable_the_cpu_runs(monkeypatch):
     monkeypatch.setenv("CONVEYOR_CPU_VARIANT", "z80")
     name, why = variants.choose(built, zen3)
     assert name == "avx2" and "z80 is not built" in why
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one CPU: nothing to run in parallel")
+def test_kernels_run_on_every_thread_of_torchs_pool():
+    """The kernels' parallel loop (the bindings' at::parallel_for) uses torch's threads: a build that drops
+    OpenMP (no -fopenmp on the bindings) compiles the loop serially and every kernel ran on one core."""
+    import torch
+
+    from conveyor import kernels
+
+    ops = kernels.load()
+    if ops is None:
+        pytest.skip("no compiled kernels here")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert ops.parallel_threads_used(64) == 2
+        torch.set_num_threads(1)
+        assert ops.parallel_threads_used(64) == 1
+    finally:
+        torch.set_num_threads(before)

@@ -42,6 +42,19 @@ void parallel_for_impl(int64_t begin, int64_t end, int64_t grain, void* ctx, con
   at::parallel_for(begin, end, grain, [&](int64_t b, int64_t e) { fn(ctx, b, e); });
 }
 int num_threads_impl() { return at::get_num_threads(); }
+
+// How many distinct threads of the pool ran chunks of a `parallel_for` over n items: the kernels' loop, so a
+// build whose loop runs serially (compiled without OpenMP: the pragma is dropped silently) answers 1.
+int64_t parallel_threads_used(int64_t n) {
+  std::mutex m;
+  std::vector<int> seen;
+  at::parallel_for(0, n, 1, [&](int64_t, int64_t) {
+    std::lock_guard<std::mutex> g(m);
+    const int t = at::get_thread_num();
+    if (std::find(seen.begin(), seen.end(), t) == seen.end()) seen.push_back(t);
+  });
+  return static_cast<int64_t>(seen.size());
+}
 const conveyor::Runtime kRuntime{&parallel_for_impl, &num_threads_impl};
 
 #ifdef CONVEYOR_BUILTIN_VARIANT
@@ -373,6 +386,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #ifdef CONVEYOR_SOURCE_HASH
   m.def("source_hash", &source_hash, "the hash of the csrc/ files this module was built from (setup.py)");
 #endif
+  m.def("parallel_threads_used", &parallel_threads_used, "threads of the pool a kernel loop over n items ran on");
   m.def("variant", &variant, "the instruction-set variant the ops run (empty: none loaded yet)");
   m.def("load_variant", &load_variant, "load a variant's library (its path) and run its ops; returns its name");
   m.def("paged_attention", &paged_attention, "paged attention over the block pool (CPU)", py::arg("out"),
