@@ -175,7 +175,7 @@ def test_snapshot_carries_tenant_rows(server):
     def run(user: str, n: int) -> list[threading.Thread]:
         def one(i: int) -> None:
             httpx.post(server.base_url + "/completions", headers=server.headers(), timeout=60,
-                       json={"model": MODEL, "prompt": f"tenant {user} {i} " * 6, "max_tokens": 16,
+                       json={"model": MODEL, "prompt": f"tenant {user} {i} " * 6, "max_tokens": 160,
                              "ignore_eos": True, "user": user})
 
         ts = [threading.Thread(target=one, args=(i,)) for i in range(n)]
@@ -205,4 +205,4 @@ def test_snapshot_carries_tenant_rows(server):
     rows = {r[0]: r for r in next(e["snapshot"] for e in events if e.get("snapshot"))["tenants"]}
     for user, n in (("dash-a", 4), ("dash-b", 2)):
         assert rows[user][1:3] == [0, 0]
-        assert rows[user][3] == m[f"conveyor:tenant_generation_tokens_total{{tenant={user}}}"] == 16 * n
+        assert rows[user][3] == m[f"conveyor:tenant_generation_tokens_total{{tenant={user}}}"] == 160 * n
