@@ -42,14 +42,18 @@ def read_events(server, stop, timeout: float = 60.0, on_setup=None) -> list[dict
     return events
 
 
-def load(server, n: int = 6, max_tokens: int = 24) -> threading.Thread:
+def load(server, n: int = 6, max_tokens: int = 24, models: list[str] | None = None) -> threading.Thread:
+    """`n` concurrent completions in a background thread (request i under `models[i]` when given: then
+    there are len(models) of them, else under the base model)."""
+    models = models or [MODEL] * n
+
     def run() -> None:
         def one(i: int) -> None:
             httpx.post(server.base_url + "/completions", headers=server.headers(), timeout=60,
-                       json={"model": MODEL, "prompt": f"dashboard {i} " * 8, "max_tokens": max_tokens,
+                       json={"model": models[i], "prompt": f"dashboard {i} " * 8, "max_tokens": max_tokens,
                              "ignore_eos": True})
 
-        ts = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+        ts = [threading.Thread(target=one, args=(i,)) for i in range(len(models))]
         for t in ts:
             t.start()
         for t in ts:

@@ -13,7 +13,7 @@ from conveyor.server.api_server import ServerArgs
 from tests.lora.peft_adapters import ALL_PROJECTIONS, make_adapter
 
 from .conftest import API_KEY, MODEL, run_server, tiny_config
-from .test_dashboard import read_events
+from .test_dashboard import load, read_events
 from .test_dashboard_browser import ARTIFACTS, browser  # noqa: F401 - the browser fixture
 
 
@@ -27,23 +27,6 @@ def lora_dashboard_server(tiny_llama, tmp_path_factory):
         yield s
 
 
-def adapter_load(server, models: list[str], max_tokens: int = 24) -> threading.Thread:
-    def one(i: int, model: str) -> None:
-        httpx.post(server.base_url + "/completions", headers=server.headers(), timeout=60,
-                   json={"model": model, "prompt": f"adapter {i} " * 6, "max_tokens": max_tokens, "ignore_eos": True})
-
-    def run() -> None:
-        ts = [threading.Thread(target=one, args=(i, m)) for i, m in enumerate(models)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-
-    t = threading.Thread(target=run)
-    t.start()
-    return t
-
-
 def test_events_show_batch_resident_and_waiting_adapters(lora_dashboard_server):
     srv = lora_dashboard_server
     threads: list[threading.Thread] = []
@@ -54,7 +37,7 @@ def test_events_show_batch_resident_and_waiting_adapters(lora_dashboard_server):
 
     try:
         events = read_events(srv, busy, on_setup=lambda: threads.append(
-            adapter_load(srv, ["a", "b", "a", "b", MODEL, "a"])))
+            load(srv, models=["a", "b", "a", "b", MODEL, "a"])))
     finally:
         for t in threads:
             t.join(60)
