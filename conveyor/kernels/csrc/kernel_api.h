@@ -104,6 +104,9 @@ struct Table {
   // AMX tiles, on linear_bf16's packed layout; set only where the CPU has AMX and Linux grants the tile state
   void (*linear_amx)(const uint16_t* x, const uint16_t* packed, uint16_t* out, int64_t m, int64_t k,
                      int64_t n_blocks) = nullptr;
+  // AVX2 + FMA, on linear_bf16's packed layout: bf16 weights widened to fp32 in registers (linear_avx2.cpp)
+  void (*linear_avx2)(const uint16_t* x, const uint16_t* packed, uint16_t* out, int64_t m, int64_t k,
+                      int64_t n_blocks) = nullptr;
   void (*lora_sgmv)(const LoRAArgs&) = nullptr;
   void (*sample_rows)(const float* logits, int64_t rows, int64_t vocab, const float* temperature,
                       const int64_t* top_k, const float* top_p, const float* min_p, const double* uniform,
