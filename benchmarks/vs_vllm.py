@@ -190,13 +190,14 @@ def load_flops(result: dict, cfg) -> tuple[float, float, float]:
 
 def gemm_rates(cfg) -> dict[int, float]:
     """Best bf16 GEMM FLOP/s over the model's weight shapes, at 64 rows (decode) and 256 rows (prefill):
-    torch's, oneDNN-prepacked, and our AVX-512 BF16 and AMX kernels where this CPU has them."""
+    torch's, oneDNN-prepacked where oneDNN packs bf16 here, and each of our kernels this CPU runs."""
     import torch
     import torch.nn.functional as F
+    from torch import nn
 
-    from conveyor import kernels
-    kern = kernels.load()
-    ours = kern is not None and kern.linear_bf16_available()
+    from conveyor.model.packed_linear import PackedLinear, available_kernels, onednn_packs_bf16
+
+    kernel_names = [*available_kernels(), *(["onednn"] if onednn_packs_bf16() else [])]
     h, q, kv, inter = (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
                        cfg.intermediate_size)
     shapes = [(h, q + 2 * kv), (q, h), (h, 2 * inter), (inter, h)]
@@ -204,22 +205,18 @@ def gemm_rates(cfg) -> dict[int, float]:
     for m in (64, 256):
         total_flops, best_time = 0.0, 0.0
         for k, n in shapes:
-            x, w = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
-            packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-            fns = [lambda x=x, w=w: F.linear(x, w),
-                   lambda x=x, p=packed: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [None], "")]
-            if ours:
-                fns.append(lambda x=x, p=kern.linear_bf16_pack(w): kern.linear_bf16(x, p))
-                if getattr(kern, "linear_amx_available", lambda: False)():  # the same packed layout
-                    fns.append(lambda x=x, p=kern.linear_bf16_pack(w): kern.linear_amx(x, p))
+            x, lin = torch.randn(m, k).bfloat16(), nn.Linear(k, n, bias=False).bfloat16()
+            fns = [lambda x=x, w=lin.weight.detach(): F.linear(x, w)]
+            fns += [lambda x=x, p=PackedLinear(lin, kernel=name): p(x) for name in kernel_names]
             best = float("inf")
-            for fn in fns:
-                for _ in range(3):
-                    fn()
-                t0 = time.perf_counter()
-                for _ in range(50):
-                    fn()
-                best = min(best, (time.perf_counter() - t0) / 50)
+            with torch.inference_mode():
+                for fn in fns:
+                    for _ in range(3):
+                        fn()
+                    t0 = time.perf_counter()
+                    for _ in range(50):
+                        fn()
+                    best = min(best, (time.perf_counter() - t0) / 50)
             total_flops += 2.0 * m * k * n
             best_time += best
         rates[m] = total_flops / best_time

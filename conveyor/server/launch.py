@@ -42,12 +42,15 @@ class LoadingApp:
     `load` builds the real app (FastAPI) and its engine; the engine-loop rules hold as before:
     `build_app`'s thread client builds the model in the thread that will step it. The real app's
     lifespan (its engine loop's start and stop) is entered here once it is built, on the event loop.
-    `on_failure` is called (on the event loop) when the load raises; `error` keeps the exception."""
+    `on_failure` is called (on the event loop) when the load raises; `error` keeps the exception;
+    `on_ready` once the real app serves."""
 
     def __init__(self, load: Callable[[], Any], on_failure: Callable[[BaseException], None] | None = None,
-                 progress: startup.StartupProgress = startup.progress) -> None:
+                 progress: startup.StartupProgress = startup.progress,
+                 on_ready: Callable[[], None] | None = None) -> None:
         self.load = load
         self.on_failure = on_failure
+        self.on_ready = on_ready
         self.progress = progress
         self.inner: Any = None  # the real app, once it is up
         self.error: BaseException | None = None
@@ -174,6 +177,8 @@ class LoadingApp:
                   registry=metrics.registry).set(self.ready_s)
         self.inner = inner
         log.info("ready in %.1f s: serving requests", self.ready_s)
+        if self.on_ready is not None:
+            self.on_ready()
 
 
 class GracefulServer(uvicorn.Server):
@@ -263,7 +268,17 @@ def run_server(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
-    app: Any = load() if sargs.engine_loop == "inline" else LoadingApp(load, on_failure=failed)
+    def freeze() -> None:
+        from conveyor.engine.engine_loop import freeze_startup_heap
+
+        log.info("%d objects of the loaded server frozen out of the garbage collector's full passes",
+                 freeze_startup_heap())
+
+    if sargs.engine_loop == "inline":
+        app: Any = load()
+        freeze()
+    else:
+        app = LoadingApp(load, on_failure=failed, on_ready=freeze)
     server = GracefulServer(app, sargs.shutdown_timeout, host=sargs.host, port=sargs.port,
                             log_level=sargs.uvicorn_log_level, access_log=False,
                             timeout_keep_alive=sargs.timeout_keep_alive)

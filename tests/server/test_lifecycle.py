@@ -94,6 +94,8 @@ def test_sigterm_drains_then_exits_0(tiny_llama):
         last = json.loads(lines[-2][len("data: "):])
         assert last["choices"][0]["finish_reason"] in ("abort", "length")
         assert "Application shutdown complete" in out
+        # the loaded server's heap was frozen out of the collector's full passes (engine_loop.freeze_startup_heap)
+        assert "objects of the loaded server frozen out of the garbage collector" in out, out
         with pytest.raises(httpx.TransportError):
             httpx.get(url + "/health", timeout=1)
     finally:
