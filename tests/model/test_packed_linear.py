@@ -6,13 +6,14 @@ import pytest
 import torch
 from torch import nn
 
-from conveyor.model.packed_linear import PackedLinear, packing_available, padded_rows
+from conveyor.model import packed_linear
+from conveyor.model.packed_linear import PackedLinear, onednn_packs_bf16, packing_available, padded_rows
 
 
 def packable(dtype: torch.dtype):
     """`dtype` as a parameter, skipped where oneDNN cannot pack it (bf16 on an AVX2-only CPU)."""
-    return pytest.param(dtype, marks=pytest.mark.skipif(not packing_available(torch.device("cpu"), dtype),
-                                                        reason=f"oneDNN cannot pack {dtype} weights on this CPU"))
+    ok = packing_available(torch.device("cpu"), dtype) and (dtype != torch.bfloat16 or onednn_packs_bf16())
+    return pytest.param(dtype, marks=pytest.mark.skipif(not ok, reason=f"oneDNN cannot pack {dtype} weights here"))
 
 
 DTYPES = [packable(torch.float32), packable(torch.bfloat16)]
@@ -64,12 +65,18 @@ def test_bucketed_rows_do_not_depend_on_the_batch(dtype):
         assert torch.equal(lin(x[:m]), alone[:m]), f"M={m}"
 
 
-def test_bf16_packing_is_offered_exactly_where_onednn_can_pack():
-    """On an AVX2-only CPU oneDNN refuses bf16 weights: a bf16 model must then load with plain nn.Linear
-    (the runner asks `packing_available`), and where packing is offered it must work."""
+def test_bf16_packing_is_offered_exactly_where_onednn_or_ours_can_pack():
+    """On an AVX2-only CPU oneDNN refuses bf16 weights: `onednn_packs_bf16` must say so, and packing is then
+    offered only through one of our kernels (`avx2` there); with neither, a bf16 model loads with plain
+    nn.Linear (the runner asks `packing_available`). Where packing is offered it must work."""
     w = torch.randn(32, 64).bfloat16()
-    if packing_available(torch.device("cpu"), torch.bfloat16):
+    if onednn_packs_bf16():
         torch.ops.mkldnn._reorder_linear_weight(w, None)
     else:
         with pytest.raises(RuntimeError):
             torch.ops.mkldnn._reorder_linear_weight(w, None)
+    assert packing_available(torch.device("cpu"), torch.bfloat16) == (
+        onednn_packs_bf16() or bool(packed_linear.available_kernels()))
+    if packing_available(torch.device("cpu"), torch.bfloat16):
+        lin = PackedLinear(nn.Linear(64, 32, bias=False).bfloat16())
+        assert lin.kernel in ("onednn", *packed_linear.available_kernels())

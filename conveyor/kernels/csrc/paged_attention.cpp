@@ -139,8 +139,8 @@ inline void tile16(const float (*Q)[D], float (*acc)[D], float* m, float* l, con
 #define CONVEYOR_ATTN_AVX2 1
 // The AVX2 variant's tile (AMD EPYC Zen 3, say): 16 keys as two 8-lane halves. Without it that variant ran the
 // scalar loops below, 5.3 ms per layer for 64 decodes of ~300 tokens on a Zen 3 (as long as all the layer's
-// linears together). Scores are one FMA chain over d per key (fixed order), so a row's result depends only on
-// its own position and context, as everywhere in this file.
+// linears together). Scores are two FMA chains over d per key (even, odd; fixed order), so a row's result depends
+// only on its own position and context, as everywhere in this file.
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
@@ -186,16 +186,21 @@ inline float hmax8(__m256 v) {
 template <typename T, int D, int NR>
 inline void tile16_avx2(const float (*Q)[D], float (*acc)[D], float* m, float* l, const int* valid, int n,
                         const T* kt, int64_t kstride, const T* vt, const half* ksc, const half* vsc) {
-  __m256 s[NR][2];
-  for (int i = 0; i < NR; ++i) s[i][0] = s[i][1] = _mm256_setzero_ps();
-  for (int d = 0; d < D; ++d) {
+  // two partial sums per key (even and odd d), added at the end, as the AVX-512 tile does
+  __m256 s[NR][2], t[NR][2];
+  for (int i = 0; i < NR; ++i) s[i][0] = s[i][1] = t[i][0] = t[i][1] = _mm256_setzero_ps();
+  for (int d = 0; d < D; d += 2) {
     const __m256 k0 = load8(kt + d * kstride), k1 = load8(kt + d * kstride + 8);
+    const __m256 k2 = load8(kt + (d + 1) * kstride), k3 = load8(kt + (d + 1) * kstride + 8);
     for (int i = 0; i < NR; ++i) {
-      const __m256 qd = _mm256_set1_ps(Q[i][d]);
-      s[i][0] = _mm256_fmadd_ps(qd, k0, s[i][0]);
-      s[i][1] = _mm256_fmadd_ps(qd, k1, s[i][1]);
+      const __m256 qa = _mm256_set1_ps(Q[i][d]), qb = _mm256_set1_ps(Q[i][d + 1]);
+      s[i][0] = _mm256_fmadd_ps(qa, k0, s[i][0]);
+      s[i][1] = _mm256_fmadd_ps(qa, k1, s[i][1]);
+      t[i][0] = _mm256_fmadd_ps(qb, k2, t[i][0]);
+      t[i][1] = _mm256_fmadd_ps(qb, k3, t[i][1]);
     }
   }
+  for (int i = 0; i < NR; ++i) s[i][0] = _mm256_add_ps(s[i][0], t[i][0]), s[i][1] = _mm256_add_ps(s[i][1], t[i][1]);
   alignas(32) float pr[NR][16];
   float corr[NR];
   constexpr bool quantized = std::is_same<T, int8_t>::value;
