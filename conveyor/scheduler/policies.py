@@ -279,8 +279,22 @@ class FairPolicy(IterationPolicy):
       the step right after the decodes, before running prefill chunks (`serve_under_share_first`);
     - counter lift: a tenant that becomes backlogged (arrives, or returns after an idle spell) starts
       at no less than the smallest counter of the tenants already waiting (or, with nobody waiting, of
-      the last one to leave the queue), so idle time earns no credit to spend later in a burst.
+      the last one to leave the queue), so idle time earns no credit to spend later in a burst;
+    - light tenants: a tenant whose recent service (weighted tokens, fading by `RECENT_DECAY` per step)
+      falls under `LIGHT_FRACTION` of the active tenants' mean becomes *light*, and stays light until it
+      has more than the mean; a light tenant is never preempted for another's share. While all its
+      requests (running and waiting) fit in the seats the other active tenants leave it (one each), its
+      waiting requests also come first and may take seats past its share, a heavy tenant giving seats
+      down to its last. A quiet tenant's requests are short and rare; capping them at a seat share made
+      them queue behind each other in every burst, while the noisy tenant, far above its share of
+      service, kept its seats. Two backlogged tenants receive about equal service, so neither becomes
+      light and the seat shares hold; a backlog that comes back after an idle spell is light but does not
+      fit, so it takes no more than its share (idle time earns no seats either); the gap between entering
+      (half the mean) and leaving (the mean) keeps a tenant near the line from flipping.
     """
+
+    LIGHT_FRACTION = 0.5  # a tenant becomes light under this fraction of the active tenants' mean service
+    RECENT_DECAY = 0.99  # per step: recent service fades with a half-life of ~70 steps
 
     name = "fair"
 
@@ -293,6 +307,9 @@ class FairPolicy(IterationPolicy):
         self.counters: dict[str, float] = {}
         self.backlogged: set[str] = set()
         self.last_left = 0.0  # counter of the last tenant whose queue emptied
+        self.recent: dict[str, float] = {}  # weighted service, fading by RECENT_DECAY per step
+        self.light: set[str] = set()  # tenants light now (see the class docstring)
+        self.light_fits: set[str] = set()  # ... whose requests also fit beside the others: served first
 
     def weight(self, tenant: str) -> float:
         return self.weights.get(tenant, 1.0)
@@ -323,7 +340,10 @@ class FairPolicy(IterationPolicy):
             # a tenant that would go past its share of seats comes after those that would not (so a seat does
             # not go to one tenant only to be taken back by preemption a step later); then the counters; ties
             # (a tenant just lifted to another's counter) go to the one holding fewer seats
-            t = min(queues, key=lambda t: (seats.get(t, 0) + 1 > share[t], virtual[t], seats.get(t, 0), t))
+            # light tenants (see the class docstring) come first: far under the others' service, they would
+            # win on a counter of recent service, and a seat taken back for one must not go to another
+            t = min(queues, key=lambda t: (t not in self.light_fits, seats.get(t, 0) + 1 > share[t], virtual[t],
+                                           seats.get(t, 0), t))
             r = queues[t].pop(0)
             out.append(r)
             seats[t] = seats.get(t, 0) + 1
@@ -338,11 +358,36 @@ class FairPolicy(IterationPolicy):
         total = sum(self.weight(t) for t in active) or 1.0
         return {t: s.config.max_num_seqs * self.weight(t) / total for t in active}
 
+    def update_light(self, s: Scheduler) -> None:
+        """An active tenant becomes light under LIGHT_FRACTION of the active tenants' mean recent service
+        (strictly: with nobody served yet, nobody is) and stops being light above the mean. Tenants not
+        active now keep their state: a quiet tenant is idle between its requests."""
+        demand: dict[str, int] = {}
+        for r in (*s.running, *s.waiting):
+            demand[r.tenant_id] = demand.get(r.tenant_id, 0) + 1
+        self.light_fits = set()
+        if len(demand) < 2:
+            self.light -= demand.keys()
+            return
+        mean = sum(self.recent.get(t, 0.0) for t in demand) / len(demand)
+        for t in demand:
+            mine = self.recent.get(t, 0.0)
+            if mine < self.LIGHT_FRACTION * mean:
+                self.light.add(t)
+            elif mine > mean:
+                self.light.discard(t)
+        room = s.config.max_num_seqs - (len(demand) - 1)  # the others keep a seat each
+        self.light_fits = {t for t in self.light & demand.keys() if demand[t] <= room}
+
+    def may_take_seat(self, t: str, seats: dict[str, int], share: dict[str, float]) -> bool:
+        return t in self.light_fits or seats.get(t, 0) + 1 <= share[t]
+
     def preempt_for_share(self, s: Scheduler, step: Step) -> None:
-        """Seats full and a tenant below its share waiting: take a seat back from the tenant furthest above
-        its share (the newest of its requests, by recompute), so that a quiet tenant's request starts at
-        once beside a noisy one instead of waiting for one of the noisy tenant's requests to finish. A
-        tenant at or below its share is never preempted for another, so this cannot churn."""
+        """Seats full and a tenant below its share (or a light one) waiting: take a seat back from the tenant
+        furthest above its share (the newest of its requests, by recompute), so that a quiet tenant's request
+        starts at once beside a noisy one instead of waiting for one of the noisy tenant's requests to
+        finish. A tenant at or below its share is never preempted for another, nor is a light tenant, so
+        this cannot churn; for a light tenant, a heavy one gives seats down to its last."""
         if not s.waiting or len(s.running) < s.config.max_num_seqs:
             return
         share = self.shares(s)
@@ -351,11 +396,12 @@ class FairPolicy(IterationPolicy):
             seats[r.tenant_id] = seats.get(r.tenant_id, 0) + 1
         for w in self.order_waiting(s):
             t = w.tenant_id
-            if seats.get(t, 0) + 1 > share[t]:
+            if not self.may_take_seat(t, seats, share):
                 continue
-            over = [u for u in seats if seats[u] - 1 >= share[u] and u != t]
-            if not over or len(s.running) < s.config.max_num_seqs:
-                break
+            floor = {u: 1 if t in self.light_fits else share[u] for u in seats}
+            over = [u for u in seats if seats[u] - 1 >= floor[u] and u != t and u not in self.light]
+            if not over or sum(seats.values()) < s.config.max_num_seqs:
+                break  # nobody to take from, or a seat is free for it (one taken back, not yet refilled)
             u = max(over, key=lambda u: (seats[u] - share[u], self.counters.get(u, 0.0), u))
             victim = max((r for r in s.running if r.tenant_id == u), key=lambda r: (r.arrival_time, r.request_id))
             s.preempt(victim, step)
@@ -377,7 +423,7 @@ class FairPolicy(IterationPolicy):
         first = []
         for r in s.prefer_resident_loras(self.order_waiting(s), step):
             t = r.tenant_id
-            if (seats.get(t, 0) + 1 <= share[t] and r.num_tokens - r.num_computed_tokens <= self.long_threshold
+            if (self.may_take_seat(t, seats, share) and r.num_tokens - r.num_computed_tokens <= self.long_threshold
                     and len(s.running) + len(first) < s.config.max_num_seqs):
                 first.append(r)
                 seats[t] = seats.get(t, 0) + 1
@@ -392,9 +438,12 @@ class FairPolicy(IterationPolicy):
                 break
 
     def schedule(self, s: Scheduler, step: Step) -> None:
+        self.update_light(s)
         self.preempt_for_share(s, step)
         self.serve_under_share_first(s, step)
         super().schedule(s, step)
+        for t in self.recent:
+            self.recent[t] *= self.RECENT_DECAY
         for it in step.items:  # charge what this step serves
             r = it.request
             fed = it.num_tokens - it.num_draft
@@ -402,6 +451,7 @@ class FairPolicy(IterationPolicy):
             cost = (0 if decode else fed) + (self.output_weight if it.samples else 0)
             t = r.tenant_id
             self.counters[t] = self.counters.get(t, 0.0) + cost / self.weight(t)
+            self.recent[t] = self.recent.get(t, 0.0) + cost / self.weight(t)
 
 
 class StepCost:

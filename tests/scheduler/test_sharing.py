@@ -166,6 +166,39 @@ def test_fair_quiet_prompt_goes_before_a_noisy_long_prompt_in_the_budget(schedul
         assert quiet.first_token_time is None
 
 
+@pytest.mark.parametrize("scheduler", ["fair", "iteration"])
+def test_fair_quiet_burst_takes_seats_past_its_share(scheduler):
+    """A quiet tenant's burst of three requests beside a noisy backlog that holds all four seats: its recent
+    service is a small fraction of the noisy tenant's and its requests fit beside the noisy tenant's last
+    seat, so under fair it is light and its burst takes seats past its share of two. A light tenant is never
+    preempted: no seat goes back and forth. A burst of five does not fit: it gets its share."""
+    h = Harness(scheduler=scheduler, max_num_seqs=4)
+    noisy = [h.add(prompt_len=8, max_tokens=20, tenant="noisy") for _ in range(100)]
+    for _ in range(10):
+        h.step()
+    quiet = [h.add(prompt_len=8, max_tokens=6, tenant="quiet") for _ in range(3)]
+    h.step()
+    started = sum(r.first_token_time is not None for r in quiet)
+    if scheduler == "iteration":
+        assert started == 0
+        return
+    assert started == 3 and h.sched.num_preemptions == 3, (started, h.sched.num_preemptions)
+    assert sum(r.status.value == "running" for r in noisy) == 1, "the noisy tenant keeps one seat"
+    for _ in range(4):
+        h.step()
+        assert h.sched.num_preemptions == 3, "nothing taken back and forth"
+    h.run()
+    assert all(len(r.output_token_ids) == 20 for r in noisy), "the preempted requests must still finish"
+    h = Harness(scheduler=scheduler, max_num_seqs=4)
+    for _ in range(100):
+        h.add(prompt_len=8, max_tokens=20, tenant="noisy")
+    for _ in range(10):
+        h.step()
+    quiet = [h.add(prompt_len=8, max_tokens=6, tenant="quiet") for _ in range(5)]
+    h.step()
+    assert sum(r.first_token_time is not None for r in quiet) == 2, "a burst past the seats gets its share"
+
+
 def test_fair_never_preempts_a_tenant_within_its_share():
     h = Harness(scheduler="fair", max_num_seqs=4)
     for t in ("a", "b", "a", "b"):
