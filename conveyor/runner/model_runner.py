@@ -127,9 +127,13 @@ class ModelRunner:
             # path's matmuls (no compiled kernels, CUDA, fp16) see the segment: a row's bits may depend on it
             self.batch_invariant = self.batch_invariant and self.lora.kernel is not None
         kinds = sorted({m.kernel for m in linears if isinstance(m, PackedLinear)})
-        log.info("runner: %s/%s, weights %s, attention %s, %d linear layers packed (%s), %d torch threads, "
-                 "batch-invariant outputs: %s", self.device, self.dtype, self.weight_dtype, self.attention_backend,
-                 self.packed_linears, "+".join(kinds) or "-", torch.get_num_threads(),
+        # the decoder layers in one compiled call where all their ops are compiled (bit-identical; see fuse_body);
+        # CONVEYOR_FUSED_BODY=0 keeps the Python loop (to measure what the call saves)
+        fused = self.model.fuse_body(os.environ.get("CONVEYOR_FUSED_BODY", "1") != "0")
+        log.info("runner: %s/%s, weights %s, attention %s, %d linear layers packed (%s), decoder layers %s, "
+                 "%d torch threads, batch-invariant outputs: %s", self.device, self.dtype, self.weight_dtype,
+                 self.attention_backend, self.packed_linears, "+".join(kinds) or "-",
+                 "in one compiled call" if fused else "op by op", torch.get_num_threads(),
                  "yes" if self.batch_invariant else "no")
         # KV storage: the model's dtype, or int8 with an fp16 scale per token and head (attention.py)
         self.kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else self.dtype

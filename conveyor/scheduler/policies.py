@@ -276,7 +276,8 @@ class FairPolicy(IterationPolicy):
       request is preempted by recompute), so a quiet tenant's request starts at once beside a noisy
       one rather than after one of the noisy tenant's requests finishes;
     - budget: with two tenants or more, a tenant below its share gets its short waiting prompts into
-      the step right after the decodes, before running prefill chunks (`serve_under_share_first`);
+      the step right after the decodes, before running prefill chunks (`serve_under_share_first`); a step
+      that admits a light tenant's prompt (below) takes no other prefill;
     - counter lift: a tenant that becomes backlogged (arrives, or returns after an idle spell) starts
       at no less than the smallest counter of the tenants already waiting (or, with nobody waiting, of
       the last one to leave the queue), so idle time earns no credit to spend later in a burst;
@@ -433,9 +434,15 @@ class FairPolicy(IterationPolicy):
         s.schedule_running(step, [r for r in s.running if not r.is_prefill], chunk=True, victims=self.victim)
         if len(step.preempted) > before:
             return  # the KV pool is full: iteration's rule (admit nobody) applies
+        light_prompt = False
         for r in first:
             if not step.has_room() or not s.admit(step, r, chunk=True):
                 break
+            light_prompt |= r.tenant_id in self.light_fits
+        if light_prompt:
+            # a light tenant's prompt goes in a step of its own prompts and the decodes: no other tenant's
+            # prefill chunk (a long prompt, or a preempted request's recompute) makes its first token wait
+            step.token_budget = 0
 
     def schedule(self, s: Scheduler, step: Step) -> None:
         self.update_light(s)

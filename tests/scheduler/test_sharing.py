@@ -157,9 +157,11 @@ def test_fair_quiet_prompt_goes_before_a_noisy_long_prompt_in_the_budget(schedul
     h.step()
     assert long.num_computed_tokens > 0, "the long prompt is being prefilled"
     quiet = h.add(prompt_len=8, max_tokens=2, tenant="quiet")
-    h.step()
+    step = h.step()
     if scheduler == "fair":
         assert quiet.first_token_time is not None and h.sched.num_preemptions == 0
+        # quiet is light (no service yet beside the noisy tenant's): its step carries no other prefill chunk
+        assert long not in [it.request for it in step.items]
         h.run()
         assert long.finished
     else:

@@ -302,6 +302,56 @@ at::Tensor linear_avx2(at::Tensor x, at::Tensor packed) {
   return out;
 }
 
+// A Llama body's decoder layers in one call: the ops of LlamaModel's Python path (llama.py: DecoderLayer,
+// Attention, MLP with the compiled kernels), the same kernels in the same order on the same tensors, so the
+// bits are the same. Why: that path makes ~20 Python-level calls per layer (module calls, views, splits, one
+// op each), ~70 us a layer on a 2-core Zen 3, about 2 ms of a 16 ms one-stream decode step of SmolLM2; here
+// they cost ATen's C++ overhead only. weights: per layer (input norm, qkv packed, o packed, post-attention
+// norm, gate_up packed, down packed), the linears all packed for `linear` ("linear_bf16", "linear_amx" or
+// "linear_avx2"), no biases. Returns (x, residual) as the last layer leaves them (the final norm is Python's).
+std::vector<at::Tensor> decoder_layers(at::Tensor x, c10::optional<at::Tensor> residual_in, at::Tensor cos,
+                                       at::Tensor sin, const std::vector<at::Tensor>& weights,
+                                       const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
+                                       at::Tensor slots, at::Tensor block_tables, at::Tensor cu_q, at::Tensor ctx_lens,
+                                       int64_t heads, int64_t kv_heads, double eps, double scale,
+                                       const std::string& linear) {
+  at::Tensor (*lin)(at::Tensor, at::Tensor) = linear == "linear_avx2" ? &linear_avx2
+                                              : linear == "linear_amx" ? &linear_amx
+                                              : linear == "linear_bf16" ? &linear_bf16 : nullptr;
+  TORCH_CHECK(lin != nullptr, "decoder_layers: unknown linear '", linear, "'");
+  const size_t layers = k_caches.size();
+  TORCH_CHECK(weights.size() == 6 * layers && v_caches.size() == layers && layers > 0 && x.dim() == 2,
+              "decoder_layers: 6 weights and one (K, V) cache per layer, x [T, hidden]");
+  const int64_t t = x.size(0), d = k_caches[0].size(2);
+  at::Tensor residual;
+  bool has_residual = residual_in.has_value();
+  if (has_residual) residual = *residual_in;
+  for (size_t i = 0; i < layers; ++i) {
+    const at::Tensor* w = &weights[6 * i];
+    if (has_residual) {
+      x = rms_norm(x, residual, w[0], eps);
+    } else {  // the first layer: the embeddings are the residual stream
+      residual = x;
+      x = rms_norm(x, c10::nullopt, w[0], eps);
+      has_residual = true;
+    }
+    at::Tensor qkv = lin(x, w[1]);
+    at::Tensor q = qkv.narrow(1, 0, heads * d).view({t, heads, d});
+    at::Tensor k = qkv.narrow(1, heads * d, kv_heads * d).view({t, kv_heads, d});
+    at::Tensor v = qkv.narrow(1, (heads + kv_heads) * d, kv_heads * d).view({t, kv_heads, d});
+    rope_(q, cos, sin);
+    rope_(k, cos, sin);
+    write_kv_cache(k, v, k_caches[i], v_caches[i], slots, c10::nullopt, c10::nullopt);
+    q = q.contiguous();
+    at::Tensor o = at::empty_like(q);
+    paged_attention(o, q, k_caches[i], v_caches[i], block_tables, cu_q, ctx_lens, scale, c10::nullopt, c10::nullopt);
+    x = lin(o.view({t, heads * d}), w[2]);
+    x = rms_norm(x, residual, w[3], eps);
+    x = lin(silu_and_mul(lin(x, w[4])), w[5]);
+  }
+  return {x, residual};
+}
+
 // logits [B, V] float32 (not modified); temperature/top_p/min_p [B] float32, top_k [B] int64 (<= 0 or >= V:
 // off), uniform [B] float64 in [0, 1). Returns the sampled token of each row, int64 [B] (sampler.cpp).
 at::Tensor sample_rows(at::Tensor logits, at::Tensor temperature, at::Tensor top_k, at::Tensor top_p,
@@ -423,6 +473,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         release());
   m.def("linear_amx_available", &linear_amx_available, "whether the chosen variant and this CPU run AMX tiles");
   m.def("linear_amx", &linear_amx, "x @ W^T in bf16 on AMX tiles, batch-invariant (CPU)", release());
+  m.def("decoder_layers", &decoder_layers, "a Llama body's decoder layers in one call, as llama.py runs them (CPU)",
+        py::arg("x"), py::arg("residual"), py::arg("cos"), py::arg("sin"), py::arg("weights"), py::arg("k_caches"),
+        py::arg("v_caches"), py::arg("slots"), py::arg("block_tables"), py::arg("cu_q"), py::arg("ctx_lens"),
+        py::arg("heads"), py::arg("kv_heads"), py::arg("eps"), py::arg("scale"), py::arg("linear"), release());
   m.def("lora_sgmv_", &lora_sgmv_, "y += LoRA deltas of every adapter segment of a step (CPU)", release());
   m.def("sample_rows", &sample_rows, "temperature, top-k, top-p, min-p and one draw per row, no sort (CPU)",
         py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("min_p"),
