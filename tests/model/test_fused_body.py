@@ -56,7 +56,8 @@ def generate(model_dir, monkeypatch, fused: bool, **config) -> tuple[dict, dict,
     return tokens, logits_seen, eng
 
 
-@pytest.mark.parametrize("config", [{}, {"num_kv_blocks": 24, "max_num_seqs": 8, "max_model_len": 256}], ids=["plain", "preempting"])
+@pytest.mark.parametrize("config", [{}, {"num_kv_blocks": 24, "max_num_seqs": 8, "max_model_len": 256}],
+                         ids=["plain", "preempting"])
 def test_one_call_gives_the_loops_bits(model_dir, monkeypatch, config):
     fused_tokens, fused_logits, eng = generate(model_dir, monkeypatch, True, **config)
     assert eng.runner.model.fused_body is not None, "the fused body should run here"
