@@ -70,7 +70,7 @@ def engine_flags() -> list[EngineFlag]:
         EngineFlag("model", "engine", "HF model directory, .gguf file, HF hub id, or built-in name"),
         EngineFlag("tokenizer", "engine", "tokenizer directory or hub id (default: the model's)"),
         EngineFlag("dtype", "engine", "weights and activations dtype; auto: bf16 where the CPU has fast bf16 "
-                   "(AVX512-BF16/AMX) or CUDA"),
+                   "(AVX512-BF16, AMX, or AVX2 with our bf16 kernel) or CUDA"),
         EngineFlag("device", "engine", "auto: CUDA when torch sees one, else CPU"),
         EngineFlag("quantization", "engine", "weight-only quantization (CPU): int8 per channel, int4 in groups of "
                    "32; a GGUF's Q4_0/Q4_1 weights are kept as shipped with int4 (default: none)",

@@ -26,7 +26,7 @@ from conveyor.config import DTYPES, EngineConfig
 from conveyor.kernels.variants import cpu_info
 from conveyor.model.attention import KV_SCALE_DTYPE, build_metadata, cache_shapes, choose_backend, scale_shape
 from conveyor.model.llama import LlamaModel, ModelConfig, rope_inv_freq
-from conveyor.model.packed_linear import PackedLinear, pack_linears, packing_available
+from conveyor.model.packed_linear import PackedLinear, available_kernels, pack_linears, packing_available
 from conveyor.model.quantization import (
     QuantizedLinear,
     dense_rows_note,
@@ -46,8 +46,13 @@ CPU_DEFAULT_KV_CAP_GIB = 4.0
 
 
 def cpu_has_fast_bf16() -> bool:
-    """AVX512-BF16 or AMX: bf16 matmuls beat fp32 there; elsewhere bf16 on a CPU is emulated and slow."""
-    return cpu_info().has_fast_bf16
+    """AVX512-BF16 or AMX, or our AVX2 bf16 linear (`linear_avx2.cpp`): bf16 beats fp32 there. Without them
+    torch's bf16 matmul is emulated and slow (AVX2 alone: a 64-row decode step of SmolLM2 took 1.2 s).
+
+    Measured on a 2-core AMD EPYC Zen 3 (AVX2 only) with the AVX2 kernel, SmolLM2-135M: one stream's decode
+    step 12.8 ms in bf16 against 32.2 in fp32 (half the bytes to stream, and the decoder layers in one call),
+    64 streams 147 against 210 ms, prefill the same (560 vs 570 tok/s)."""
+    return cpu_info().has_fast_bf16 or "avx2" in available_kernels()
 
 
 def set_cpu_threads(threads: int | None) -> None:
