@@ -205,6 +205,7 @@ class LlamaModel(nn.Module):
         self.rope_cos: torch.Tensor | None = None  # [max_position_embeddings, head_dim / 2]: build_rope_table
         self.rope_sin: torch.Tensor | None = None
         self.fused_body: tuple[str, list[torch.Tensor]] | None = None  # fuse_body(): (linear op, layer weights)
+        self.fused_max_rows: int | None = None  # larger steps run the loop (quantized layers' dense copies)
 
     def forward(
         self,
@@ -216,7 +217,8 @@ class LlamaModel(nn.Module):
         """Hidden states [T, hidden] after the final norm; the caller picks rows to turn into logits."""
         cos, sin = self.rope_cos.index_select(0, positions), self.rope_sin.index_select(0, positions)
         x, residual = self.embed_tokens(input_ids), None
-        if self.fused_body is not None and meta.backend == "kernel" and len(kv_caches[0]) == 2:
+        if (self.fused_body is not None and meta.backend == "kernel" and len(kv_caches[0]) == 2
+                and (self.fused_max_rows is None or input_ids.shape[0] <= self.fused_max_rows)):
             op, weights = self.fused_body
             attn = self.layers[0].self_attn
             x, residual = kernels.load().decoder_layers(
@@ -233,28 +235,40 @@ class LlamaModel(nn.Module):
         layers has its compiled kernel: the fused RMSNorm/RoPE/SiLU, the kernel attention on a bf16/fp32
         cache, and every linear packed for one of our bf16 kernels, without bias. The same kernels run in
         the same order, so outputs are bit-identical; what goes is ~20 Python-level calls per layer (about
-        2 ms of a 16 ms one-stream decode step on a 2-core Zen 3). Returns whether it is on.
+        4 ms of a 17 ms one-stream decode step on a 2-core Zen 3). int4 layers on our int4 kernel qualify too,
+        for the steps their dense copies (see quantization.py) do not take. Returns whether it is on.
 
-        Anything else (LoRA's wrapped linears, quantized or oneDNN linears, the torch reference path, an
-        int8 KV cache at call time) keeps the Python loop, which stays the reference."""
+        Anything else (LoRA's wrapped linears, int8 or oneDNN linears, the torch reference path, an int8 KV
+        cache at call time) keeps the Python loop, which stays the reference."""
         from conveyor.model.packed_linear import _OPS, PackedLinear
+        from conveyor.model.quantization import QuantizedLinear
 
-        self.fused_body = None
+        def op_of(m: nn.Module) -> tuple[str, list[torch.Tensor]] | None:
+            if type(m) is PackedLinear and m.kernel in _OPS and m.bias is None:
+                return _OPS[m.kernel], [m.packed]
+            if type(m) is QuantizedLinear and m.ours and m.bias is None:
+                return "linear_int4", [m.qweight, m.scales]
+            return None
+
+        self.fused_body, self.fused_max_rows = None, None
         if not on or not hasattr(kernels.load(), "decoder_layers"):
             return False
-        ops, weights = set(), []
+        ops, weights, limits = set(), [], []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            lins = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            lins = [op_of(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             if not (attn.fused and mlp.fused and layer.input_layernorm.fused and layer.post_attention_layernorm.fused
-                    and all(type(m) is PackedLinear and m.kernel in _OPS and m.bias is None for m in lins)):
+                    and all(lins)):
                 return False
-            ops.update(_OPS[m.kernel] for m in lins)
-            weights += [layer.input_layernorm.weight, attn.qkv_proj.packed, attn.o_proj.packed,
-                        layer.post_attention_layernorm.weight, mlp.gate_up_proj.packed, mlp.down_proj.packed]
-        if len(ops) != 1 or any(w.dtype != torch.bfloat16 for w in weights):
+            ops.update(op for op, _ in lins)
+            (_, qkv), (_, o), (_, gu), (_, down) = lins
+            weights += [layer.input_layernorm.weight, *qkv, *o, layer.post_attention_layernorm.weight, *gu, *down]
+            limits += [m.dense_above for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+                       if isinstance(m, QuantizedLinear) and m.dense is not None and m.dense_above is not None]
+        if len(ops) != 1:
             return False
         self.fused_body = (ops.pop(), [w.detach() for w in weights])
+        self.fused_max_rows = min(limits, default=None)
         return True
 
     def build_rope_table(self) -> None:

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from conveyor import kernels
 from conveyor.config import QUANTIZATIONS
 from conveyor.model.packed_linear import PackedLinear, packing_available
 
@@ -128,6 +129,28 @@ def quantize(w: torch.Tensor, method: str, scale_dtype: torch.dtype) -> Quantize
     raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {method!r}")
 
 
+def int4_kernel_fits(qw: QuantizedWeight, dtype: torch.dtype) -> bool:
+    """Whether our int4 kernel (AVX2 + FMA, `linear_int4.cpp`) takes this weight: groups of 32, N % 8 == 0,
+    activations in fp32 or bf16. `CONVEYOR_INT4_KERNEL=torch` keeps torch's (to compare the two)."""
+    k = kernels.load()
+    return (k is not None and getattr(k, "linear_int4_available", lambda: False)()
+            and os.environ.get("CONVEYOR_INT4_KERNEL", "ours") != "torch"
+            and qw.bits == 4 and qw.group == 32 and qw.shape[0] % 8 == 0 and qw.shape[1] % 32 == 0
+            and dtype in (torch.float32, torch.bfloat16))
+
+
+def pack_int4(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our int4 kernel's layout (linear_int4.cpp): q as uint8 [N/8, K/2, 8], byte j of row i holding column
+    j's q[2i] (low nibble) and q[2i + 1] (high); per 8 columns and group: 8 scales, then 8 zero - 8 * scale."""
+    n, k = qw.shape
+    g = k // qw.group
+    q = qw.q.to(torch.uint8).view(n // 8, 8, k // 2, 2)
+    packed = (q[..., 0] | (q[..., 1] << 4)).permute(0, 2, 1).contiguous()
+    scale, zero = qw.scale.float(), qw.zero.float()
+    sz = torch.stack([scale, zero - 8 * scale], dim=-1).view(n // 8, 8, g, 2).permute(0, 2, 3, 1).contiguous()
+    return packed, sz
+
+
 def int4_fits(n: int, k: int, group: int = INT4_GROUP) -> bool:
     """The int4 kernel needs N a multiple of 16 and K a multiple of the group."""
     return n % 16 == 0 and k % group == 0
@@ -142,9 +165,13 @@ class QuantizedLinear(nn.Module):
         self.bits, self.group = qw.bits, qw.group
         self.dtype = dtype
         self.bias = None if bias is None else bias.detach().to(dtype)
+        self.ours = False  # int4 on our kernel (linear_int4.cpp) rather than torch's
         if qw.bits == 8:
             self.qweight = qw.q.contiguous()
             self.scales = qw.scale[:, 0].to(dtype).contiguous()
+        elif int4_kernel_fits(qw, dtype):
+            self.ours = True
+            self.qweight, self.scales = pack_int4(qw)
         else:
             self.qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qw.q.to(torch.int32).contiguous(), 1)
             # [K // group, N, 2]: (scale, zero) per group and output channel
@@ -165,6 +192,8 @@ class QuantizedLinear(nn.Module):
     def quantized_mm(self, x2: torch.Tensor) -> torch.Tensor:
         if self.bits == 8:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
+        elif self.ours:
+            y = kernels.load().linear_int4(x2, self.qweight, self.scales)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group, self.scales)
         return y if self.bias is None else y + self.bias

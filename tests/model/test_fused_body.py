@@ -13,6 +13,7 @@ import torch
 from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.model import packed_linear
+from conveyor.model.quantization import int4_kernel_fits, quantize_int4
 from conveyor.runner import model_runner
 from conveyor.sampling_params import SamplingParams
 from tests.conftest import build_tiny_llama
@@ -56,12 +57,16 @@ def generate(model_dir, monkeypatch, fused: bool, **config) -> tuple[dict, dict,
     return tokens, logits_seen, eng
 
 
-@pytest.mark.parametrize("config", [{}, {"num_kv_blocks": 24, "max_num_seqs": 8, "max_model_len": 256}],
-                         ids=["plain", "preempting"])
+@pytest.mark.parametrize("config", [{}, {"num_kv_blocks": 24, "max_num_seqs": 8, "max_model_len": 256},
+                                    {"quantization": "int4"}], ids=["plain", "preempting", "int4"])
 def test_one_call_gives_the_loops_bits(model_dir, monkeypatch, config):
+    if config.get("quantization"):
+        if not int4_kernel_fits(quantize_int4(torch.randn(16, 32), 32), torch.bfloat16):
+            pytest.skip("our int4 kernel needs AVX2 + FMA and the compiled kernels")
+        monkeypatch.setenv("CONVEYOR_QUANT_DENSE_ABOVE", "none")  # every step on the int4 kernel, in both runs
     fused_tokens, fused_logits, eng = generate(model_dir, monkeypatch, True, **config)
     assert eng.runner.model.fused_body is not None, "the fused body should run here"
-    if config:
+    if "num_kv_blocks" in config:
         assert eng.scheduler.num_preemptions > 0, "the small pool was meant to force recomputes"
     loop_tokens, loop_logits, eng = generate(model_dir, monkeypatch, False, **config)
     assert eng.runner.model.fused_body is None

@@ -10,6 +10,7 @@ import torch
 from conveyor.model.quantization import (
     QuantizedLinear,
     QuantizedWeight,
+    int4_kernel_fits,
     quantize_int4,
     quantize_int8,
     tune_dense_threshold,
@@ -38,14 +39,27 @@ def test_scales_are_representable_in_the_kernel_dtype():
     assert torch.equal(qw.zero, qw.zero.bfloat16().float())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("method", ["int8", "int4"])
-@pytest.mark.parametrize("rows", [1, 3, 17])
-def test_kernel_matches_dequantized_reference(method, dtype, rows):
-    g = torch.Generator().manual_seed(rows)
-    w, b = torch.randn(96, 128, generator=g), torch.randn(96, generator=g)
+OURS_INT4 = int4_kernel_fits(quantize_int4(torch.randn(16, 32), 32), torch.float32)
+# int4: our kernel (linear_int4.cpp) where it runs, and torch's (CONVEYOR_INT4_KERNEL=torch) everywhere
+METHODS = ["int8", "int4", pytest.param("int4-ours", marks=pytest.mark.skipif(
+    not OURS_INT4, reason="our int4 kernel needs AVX2 + FMA and the compiled kernels"))]
+
+
+def quantized_linear(method: str, w: torch.Tensor, b, dtype, monkeypatch) -> QuantizedLinear:
+    monkeypatch.setenv("CONVEYOR_INT4_KERNEL", "ours" if method == "int4-ours" else "torch")
     qw = quantize_int8(w, dtype) if method == "int8" else quantize_int4(w, 32, dtype)
     lin = QuantizedLinear(qw, b, dtype)
+    assert lin.ours == (method == "int4-ours")
+    return lin
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("rows", [1, 3, 17])
+def test_kernel_matches_dequantized_reference(method, dtype, rows, monkeypatch):
+    g = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(96, 128, generator=g), torch.randn(96, generator=g)
+    lin = quantized_linear(method, w, b, dtype, monkeypatch)
     x = torch.randn(2, rows, 128, generator=g).to(dtype)
     y = lin(x)
     assert y.shape == (2, rows, 96) and y.dtype == dtype
@@ -55,13 +69,11 @@ def test_kernel_matches_dequantized_reference(method, dtype, rows):
     torch.testing.assert_close(y.float(), ref, atol=tol, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
-def test_kernel_rows_do_not_depend_on_the_batch(method):
+@pytest.mark.parametrize("method", METHODS)
+def test_kernel_rows_do_not_depend_on_the_batch(method, monkeypatch):
     """A row's bits are the same alone, in any prefix of a batch, or in the full batch."""
     dtype = torch.bfloat16
-    w = torch.randn(576, 1536)
-    qw = quantize_int8(w, dtype) if method == "int8" else quantize_int4(w, 32, dtype)
-    lin = QuantizedLinear(qw, None, dtype)
+    lin = quantized_linear(method, torch.randn(576, 1536), None, dtype, monkeypatch)
     x = torch.randn(40, 1536).to(dtype)
     full = lin(x)
     assert torch.equal(torch.cat([lin(x[i:i + 1]) for i in range(40)]), full)

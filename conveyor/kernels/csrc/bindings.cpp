@@ -302,32 +302,63 @@ at::Tensor linear_avx2(at::Tensor x, at::Tensor packed) {
   return out;
 }
 
+bool linear_int4_available() { return table().linear_int4 != nullptr; }
+
+// out [M, N] = x [M, K] @ W^T, W as int4 groups of 32 (linear_int4.cpp): q uint8 [N/8, K/2, 8] and sz fp32
+// [N/8, K/32, 2, 8] as conveyor/model/quantization.py packs them; x and out fp32 or bf16.
+at::Tensor linear_int4(at::Tensor x, at::Tensor q, at::Tensor sz) {
+  TORCH_CHECK(table().linear_int4 != nullptr, "linear_int4: the kernel variant '", table().name,
+              "' has no AVX2 + FMA (the CPU lacks them, or CONVEYOR_CPU_VARIANT chose another)");
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "linear_int4: x must be a 2-D CPU tensor");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kByte && q.is_contiguous() && q.size(2) == 8 &&
+                  sz.dim() == 4 && sz.scalar_type() == at::kFloat && sz.is_contiguous() && sz.size(0) == q.size(0) &&
+                  sz.size(2) == 2 && sz.size(3) == 8,
+              "linear_int4: the weight must come from quantization.py's int4 packing");
+  const int64_t k = x.size(1), n = q.size(0) * 8;
+  TORCH_CHECK(k % 32 == 0 && q.size(1) * 2 == k && sz.size(1) * 32 == k, "linear_int4: x and the weight disagree on K");
+  const DType dt = float_dtype(x, "linear_int4");
+  x = x.contiguous();
+  auto out = at::empty({x.size(0), n}, x.options());
+  if (x.size(0) > 0)
+    table().linear_int4(dt, x.data_ptr(), q.data_ptr<uint8_t>(), sz.data_ptr<float>(), out.data_ptr(), x.size(0), k,
+                        n);
+  return out;
+}
+
 // A Llama body's decoder layers in one call: the ops of LlamaModel's Python path (llama.py: DecoderLayer,
 // Attention, MLP with the compiled kernels), the same kernels in the same order on the same tensors, so the
 // bits are the same. Why: that path makes ~20 Python-level calls per layer (module calls, views, splits, one
 // op each), ~70 us a layer on a 2-core Zen 3, about 2 ms of a 16 ms one-stream decode step of SmolLM2; here
 // they cost ATen's C++ overhead only. weights: per layer (input norm, qkv packed, o packed, post-attention
-// norm, gate_up packed, down packed), the linears all packed for `linear` ("linear_bf16", "linear_amx" or
-// "linear_avx2"), no biases. Returns (x, residual) as the last layer leaves them (the final norm is Python's).
+// norm, gate_up, down), the linears all packed for `linear` ("linear_bf16", "linear_amx" or "linear_avx2": one
+// tensor each; "linear_int4": two, q and sz), no biases. Returns (x, residual) as the last layer leaves them
+// (the final norm is Python's).
 std::vector<at::Tensor> decoder_layers(at::Tensor x, c10::optional<at::Tensor> residual_in, at::Tensor cos,
                                        at::Tensor sin, const std::vector<at::Tensor>& weights,
                                        const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
                                        at::Tensor slots, at::Tensor block_tables, at::Tensor cu_q, at::Tensor ctx_lens,
                                        int64_t heads, int64_t kv_heads, double eps, double scale,
                                        const std::string& linear) {
+  const bool int4 = linear == "linear_int4";
   at::Tensor (*lin)(at::Tensor, at::Tensor) = linear == "linear_avx2" ? &linear_avx2
                                               : linear == "linear_amx" ? &linear_amx
                                               : linear == "linear_bf16" ? &linear_bf16 : nullptr;
-  TORCH_CHECK(lin != nullptr, "decoder_layers: unknown linear '", linear, "'");
-  const size_t layers = k_caches.size();
-  TORCH_CHECK(weights.size() == 6 * layers && v_caches.size() == layers && layers > 0 && x.dim() == 2,
-              "decoder_layers: 6 weights and one (K, V) cache per layer, x [T, hidden]");
+  TORCH_CHECK(lin != nullptr || int4, "decoder_layers: unknown linear '", linear, "'");
+  const size_t layers = k_caches.size(), s = int4 ? 2 : 1, per = 2 + 4 * s;  // tensors per linear, per layer
+  TORCH_CHECK(weights.size() == per * layers && v_caches.size() == layers && layers > 0 && x.dim() == 2,
+              "decoder_layers: ", per, " weights and one (K, V) cache per layer, x [T, hidden]");
+  auto apply = [&](const at::Tensor& in, const at::Tensor* w) {
+    return int4 ? linear_int4(in, w[0], w[1]) : lin(in, w[0]);
+  };
   const int64_t t = x.size(0), d = k_caches[0].size(2);
   at::Tensor residual;
   bool has_residual = residual_in.has_value();
   if (has_residual) residual = *residual_in;
   for (size_t i = 0; i < layers; ++i) {
-    const at::Tensor* w = &weights[6 * i];
+    // input norm, qkv, o, post-attention norm, gate_up, down
+    const at::Tensor* w = &weights[per * i];
+    const at::Tensor *qkv_w = w + 1, *o_w = w + 1 + s, *post = w + 1 + 2 * s, *gu_w = w + 2 + 2 * s,
+                     *down_w = w + 2 + 3 * s;
     if (has_residual) {
       x = rms_norm(x, residual, w[0], eps);
     } else {  // the first layer: the embeddings are the residual stream
@@ -335,7 +366,7 @@ std::vector<at::Tensor> decoder_layers(at::Tensor x, c10::optional<at::Tensor> r
       x = rms_norm(x, c10::nullopt, w[0], eps);
       has_residual = true;
     }
-    at::Tensor qkv = lin(x, w[1]);
+    at::Tensor qkv = apply(x, qkv_w);
     at::Tensor q = qkv.narrow(1, 0, heads * d).view({t, heads, d});
     at::Tensor k = qkv.narrow(1, heads * d, kv_heads * d).view({t, kv_heads, d});
     at::Tensor v = qkv.narrow(1, (heads + kv_heads) * d, kv_heads * d).view({t, kv_heads, d});
@@ -345,9 +376,9 @@ std::vector<at::Tensor> decoder_layers(at::Tensor x, c10::optional<at::Tensor> r
     q = q.contiguous();
     at::Tensor o = at::empty_like(q);
     paged_attention(o, q, k_caches[i], v_caches[i], block_tables, cu_q, ctx_lens, scale, c10::nullopt, c10::nullopt);
-    x = lin(o.view({t, heads * d}), w[2]);
-    x = rms_norm(x, residual, w[3], eps);
-    x = lin(silu_and_mul(lin(x, w[4])), w[5]);
+    x = apply(o.view({t, heads * d}), o_w);
+    x = rms_norm(x, residual, *post, eps);
+    x = apply(silu_and_mul(apply(x, gu_w)), down_w);
   }
   return {x, residual};
 }
@@ -473,6 +504,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         release());
   m.def("linear_amx_available", &linear_amx_available, "whether the chosen variant and this CPU run AMX tiles");
   m.def("linear_amx", &linear_amx, "x @ W^T in bf16 on AMX tiles, batch-invariant (CPU)", release());
+  m.def("linear_int4_available", &linear_int4_available, "whether the chosen variant has the AVX2 int4 linear");
+  m.def("linear_int4", &linear_int4, "x @ W^T with W as int4 groups of 32, AVX2 FMAs, batch-invariant (CPU)",
+        release());
   m.def("decoder_layers", &decoder_layers, "a Llama body's decoder layers in one call, as llama.py runs them (CPU)",
         py::arg("x"), py::arg("residual"), py::arg("cos"), py::arg("sin"), py::arg("weights"), py::arg("k_caches"),
         py::arg("v_caches"), py::arg("slots"), py::arg("block_tables"), py::arg("cu_q"), py::arg("ctx_lens"),

@@ -107,6 +107,9 @@ struct Table {
   // AVX2 + FMA, on linear_bf16's packed layout: bf16 weights widened to fp32 in registers (linear_avx2.cpp)
   void (*linear_avx2)(const uint16_t* x, const uint16_t* packed, uint16_t* out, int64_t m, int64_t k,
                       int64_t n_blocks) = nullptr;
+  // int4 weights in groups of 32 inputs, AVX2 + FMA (linear_int4.cpp); dt: the activations' and output's dtype
+  void (*linear_int4)(DType dt, const void* x, const uint8_t* q, const float* sz, void* out, int64_t m, int64_t k,
+                      int64_t n) = nullptr;
   void (*lora_sgmv)(const LoRAArgs&) = nullptr;
   void (*sample_rows)(const float* logits, int64_t rows, int64_t vocab, const float* temperature,
                       const int64_t* top_k, const float* top_p, const float* min_p, const double* uniform,
