@@ -63,6 +63,8 @@ class PackedLinear(nn.Module):
             kernel = kernel if kernel in _OPS and _fits(kernel, w) else fallback
         elif kernel in ("onednn", "torch"):
             pass
+        elif kernel not in _OPS:
+            raise ValueError(f"kernel must be one of {', '.join([*_OPS, 'onednn', 'torch'])}, got {kernel!r}")
         elif not _fits(kernel, w):
             raise ValueError(f"the {kernel} kernel needs a bf16 weight with N % 16 == 0 and "
                              f"{'K % 32 == 0' if kernel == 'amx' else 'even K'}, got {tuple(w.shape)} {w.dtype}")

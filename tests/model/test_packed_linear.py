@@ -80,3 +80,8 @@ def test_bf16_packing_is_offered_exactly_where_onednn_or_ours_can_pack():
     if packing_available(torch.device("cpu"), torch.bfloat16):
         lin = PackedLinear(nn.Linear(64, 32, bias=False).bfloat16())
         assert lin.kernel in ("onednn", *packed_linear.available_kernels())
+
+
+def test_an_unknown_kernel_is_a_clear_error():
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        PackedLinear(torch.nn.Linear(32, 16).bfloat16(), kernel="foo")
