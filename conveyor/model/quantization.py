@@ -129,25 +129,43 @@ def quantize(w: torch.Tensor, method: str, scale_dtype: torch.dtype) -> Quantize
     raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {method!r}")
 
 
-def int4_kernel_fits(qw: QuantizedWeight, dtype: torch.dtype) -> bool:
-    """Whether our int4 kernel (AVX2 + FMA, `linear_int4.cpp`) takes this weight: groups of 32, N % 8 == 0,
-    activations in fp32 or bf16. `CONVEYOR_INT4_KERNEL=torch` keeps torch's (to compare the two)."""
+def _ours(op: str, env: str, dtype: torch.dtype) -> bool:
     k = kernels.load()
-    return (k is not None and getattr(k, "linear_int4_available", lambda: False)()
-            and os.environ.get("CONVEYOR_INT4_KERNEL", "ours") != "torch"
-            and qw.bits == 4 and qw.group == 32 and qw.shape[0] % 8 == 0 and qw.shape[1] % 32 == 0
-            and dtype in (torch.float32, torch.bfloat16))
+    return (k is not None and getattr(k, op + "_available", lambda: False)()
+            and os.environ.get(env, "ours") != "torch" and dtype in (torch.float32, torch.bfloat16))
+
+
+def int4_kernel_fits(qw: QuantizedWeight, dtype: torch.dtype) -> bool:
+    """Whether our int4 kernel (AVX2 + FMA, `linear_int4.cpp`) takes this weight: groups of 32, N % 16 == 0,
+    activations in fp32 or bf16. `CONVEYOR_INT4_KERNEL=torch` keeps torch's (to compare the two)."""
+    return (_ours("linear_int4", "CONVEYOR_INT4_KERNEL", dtype) and qw.bits == 4 and qw.group == 32
+            and qw.shape[0] % 16 == 0 and qw.shape[1] % 32 == 0)
+
+
+def int8_kernel_fits(qw: QuantizedWeight, dtype: torch.dtype) -> bool:
+    """Whether our int8 kernel (AVX2 + FMA, `linear_int8.cpp`) takes this weight: N % 16 == 0, K even,
+    activations in fp32 or bf16. `CONVEYOR_INT8_KERNEL=torch` keeps torch's."""
+    return (_ours("linear_int8", "CONVEYOR_INT8_KERNEL", dtype) and qw.bits == 8 and qw.shape[0] % 16 == 0
+            and qw.shape[1] % 2 == 0)
+
+
+def pack_int8(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our int8 kernel's layout (linear_int8.cpp): q as int8 [N/16, K, 16] (16 columns' bytes per k), the
+    per-channel scales as fp32 [N]."""
+    n, k = qw.shape
+    q = qw.q.to(torch.int8).view(n // 16, 16, k).transpose(1, 2).contiguous()
+    return q, qw.scale[:, 0].float().contiguous()
 
 
 def pack_int4(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    """Our int4 kernel's layout (linear_int4.cpp): q as uint8 [N/8, K/2, 8], byte j of row i holding column
-    j's q[2i] (low nibble) and q[2i + 1] (high); per 8 columns and group: 8 scales, then 8 zero - 8 * scale."""
+    """Our int4 kernel's layout (linear_int4.cpp): q as uint8 [N/16, K/2, 16], byte j of row i holding column
+    j's q[2i] (low nibble) and q[2i + 1] (high); per 16 columns and group: 16 scales, then 16 zero - 8 * scale."""
     n, k = qw.shape
     g = k // qw.group
-    q = qw.q.to(torch.uint8).view(n // 8, 8, k // 2, 2)
+    q = qw.q.to(torch.uint8).view(n // 16, 16, k // 2, 2)
     packed = (q[..., 0] | (q[..., 1] << 4)).permute(0, 2, 1).contiguous()
     scale, zero = qw.scale.float(), qw.zero.float()
-    sz = torch.stack([scale, zero - 8 * scale], dim=-1).view(n // 8, 8, g, 2).permute(0, 2, 3, 1).contiguous()
+    sz = torch.stack([scale, zero - 8 * scale], dim=-1).view(n // 16, 16, g, 2).permute(0, 2, 3, 1).contiguous()
     return packed, sz
 
 
@@ -165,8 +183,11 @@ class QuantizedLinear(nn.Module):
         self.bits, self.group = qw.bits, qw.group
         self.dtype = dtype
         self.bias = None if bias is None else bias.detach().to(dtype)
-        self.ours = False  # int4 on our kernel (linear_int4.cpp) rather than torch's
-        if qw.bits == 8:
+        self.ours = False  # on our kernel (linear_int8.cpp / linear_int4.cpp) rather than torch's
+        if qw.bits == 8 and int8_kernel_fits(qw, dtype):
+            self.ours = True
+            self.qweight, self.scales = pack_int8(qw)
+        elif qw.bits == 8:
             self.qweight = qw.q.contiguous()
             self.scales = qw.scale[:, 0].to(dtype).contiguous()
         elif int4_kernel_fits(qw, dtype):
@@ -190,7 +211,9 @@ class QuantizedLinear(nn.Module):
         self.dense = PackedLinear(lin) if packing_available(torch.device("cpu"), self.dtype) else lin
 
     def quantized_mm(self, x2: torch.Tensor) -> torch.Tensor:
-        if self.bits == 8:
+        if self.bits == 8 and self.ours:
+            y = kernels.load().linear_int8(x2, self.qweight, self.scales)
+        elif self.bits == 8:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
         elif self.ours:
             y = kernels.load().linear_int4(x2, self.qweight, self.scales)

@@ -11,6 +11,7 @@ from conveyor.model.quantization import (
     QuantizedLinear,
     QuantizedWeight,
     int4_kernel_fits,
+    int8_kernel_fits,
     quantize_int4,
     quantize_int8,
     tune_dense_threshold,
@@ -39,17 +40,19 @@ def test_scales_are_representable_in_the_kernel_dtype():
     assert torch.equal(qw.zero, qw.zero.bfloat16().float())
 
 
-OURS_INT4 = int4_kernel_fits(quantize_int4(torch.randn(16, 32), 32), torch.float32)
-# int4: our kernel (linear_int4.cpp) where it runs, and torch's (CONVEYOR_INT4_KERNEL=torch) everywhere
-METHODS = ["int8", "int4", pytest.param("int4-ours", marks=pytest.mark.skipif(
-    not OURS_INT4, reason="our int4 kernel needs AVX2 + FMA and the compiled kernels"))]
+OURS = {"int4": int4_kernel_fits(quantize_int4(torch.randn(16, 32), 32), torch.float32),
+        "int8": int8_kernel_fits(quantize_int8(torch.randn(16, 32)), torch.float32)}
+# our kernels (linear_int8.cpp, linear_int4.cpp) where they run, and torch's (CONVEYOR_INT*_KERNEL=torch) everywhere
+METHODS = ["int8", "int4", *(pytest.param(f"{bits}-ours", marks=pytest.mark.skipif(
+    not OURS[bits], reason=f"our {bits} kernel needs AVX2 + FMA and the compiled kernels")) for bits in OURS)]
 
 
 def quantized_linear(method: str, w: torch.Tensor, b, dtype, monkeypatch) -> QuantizedLinear:
-    monkeypatch.setenv("CONVEYOR_INT4_KERNEL", "ours" if method == "int4-ours" else "torch")
-    qw = quantize_int8(w, dtype) if method == "int8" else quantize_int4(w, 32, dtype)
+    for bits in OURS:
+        monkeypatch.setenv(f"CONVEYOR_{bits.upper()}_KERNEL", "ours" if method == f"{bits}-ours" else "torch")
+    qw = quantize_int8(w, dtype) if method.startswith("int8") else quantize_int4(w, 32, dtype)
     lin = QuantizedLinear(qw, b, dtype)
-    assert lin.ours == (method == "int4-ours")
+    assert lin.ours == method.endswith("-ours")
     return lin
 
 

@@ -304,17 +304,17 @@ at::Tensor linear_avx2(at::Tensor x, at::Tensor packed) {
 
 bool linear_int4_available() { return table().linear_int4 != nullptr; }
 
-// out [M, N] = x [M, K] @ W^T, W as int4 groups of 32 (linear_int4.cpp): q uint8 [N/8, K/2, 8] and sz fp32
-// [N/8, K/32, 2, 8] as conveyor/model/quantization.py packs them; x and out fp32 or bf16.
+// out [M, N] = x [M, K] @ W^T, W as int4 groups of 32 (linear_int4.cpp): q uint8 [N/16, K/2, 16] and sz fp32
+// [N/16, K/32, 2, 16] as conveyor/model/quantization.py packs them; x and out fp32 or bf16.
 at::Tensor linear_int4(at::Tensor x, at::Tensor q, at::Tensor sz) {
   TORCH_CHECK(table().linear_int4 != nullptr, "linear_int4: the kernel variant '", table().name,
               "' has no AVX2 + FMA (the CPU lacks them, or CONVEYOR_CPU_VARIANT chose another)");
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "linear_int4: x must be a 2-D CPU tensor");
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kByte && q.is_contiguous() && q.size(2) == 8 &&
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kByte && q.is_contiguous() && q.size(2) == 16 &&
                   sz.dim() == 4 && sz.scalar_type() == at::kFloat && sz.is_contiguous() && sz.size(0) == q.size(0) &&
-                  sz.size(2) == 2 && sz.size(3) == 8,
+                  sz.size(2) == 2 && sz.size(3) == 16,
               "linear_int4: the weight must come from quantization.py's int4 packing");
-  const int64_t k = x.size(1), n = q.size(0) * 8;
+  const int64_t k = x.size(1), n = q.size(0) * 16;
   TORCH_CHECK(k % 32 == 0 && q.size(1) * 2 == k && sz.size(1) * 32 == k, "linear_int4: x and the weight disagree on K");
   const DType dt = float_dtype(x, "linear_int4");
   x = x.contiguous();
@@ -322,6 +322,29 @@ at::Tensor linear_int4(at::Tensor x, at::Tensor q, at::Tensor sz) {
   if (x.size(0) > 0)
     table().linear_int4(dt, x.data_ptr(), q.data_ptr<uint8_t>(), sz.data_ptr<float>(), out.data_ptr(), x.size(0), k,
                         n);
+  return out;
+}
+
+bool linear_int8_available() { return table().linear_int8 != nullptr; }
+
+// out [M, N] = x [M, K] @ W^T, W as int8 with a scale per output channel (linear_int8.cpp): q int8 [N/16, K, 16]
+// and scale fp32 [N] as conveyor/model/quantization.py packs them; x and out fp32 or bf16.
+at::Tensor linear_int8(at::Tensor x, at::Tensor q, at::Tensor scale) {
+  TORCH_CHECK(table().linear_int8 != nullptr, "linear_int8: the kernel variant '", table().name,
+              "' has no AVX2 + FMA (the CPU lacks them, or CONVEYOR_CPU_VARIANT chose another)");
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "linear_int8: x must be a 2-D CPU tensor");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kChar && q.is_contiguous() && q.size(2) == 16 &&
+                  scale.dim() == 1 && scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
+                  scale.size(0) == q.size(0) * 16,
+              "linear_int8: the weight must come from quantization.py's int8 packing");
+  const int64_t k = x.size(1), n = q.size(0) * 16;
+  TORCH_CHECK(q.size(1) == k && k % 2 == 0, "linear_int8: x and the weight disagree on K, or K is odd");
+  const DType dt = float_dtype(x, "linear_int8");
+  x = x.contiguous();
+  auto out = at::empty({x.size(0), n}, x.options());
+  if (x.size(0) > 0)
+    table().linear_int8(dt, x.data_ptr(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), out.data_ptr(), x.size(0),
+                        k, n);
   return out;
 }
 
@@ -506,6 +529,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_amx", &linear_amx, "x @ W^T in bf16 on AMX tiles, batch-invariant (CPU)", release());
   m.def("linear_int4_available", &linear_int4_available, "whether the chosen variant has the AVX2 int4 linear");
   m.def("linear_int4", &linear_int4, "x @ W^T with W as int4 groups of 32, AVX2 FMAs, batch-invariant (CPU)",
+        release());
+  m.def("linear_int8_available", &linear_int8_available, "whether the chosen variant has the AVX2 int8 linear");
+  m.def("linear_int8", &linear_int8, "x @ W^T with W as int8 per channel, AVX2 FMAs, batch-invariant (CPU)",
         release());
   m.def("decoder_layers", &decoder_layers, "a Llama body's decoder layers in one call, as llama.py runs them (CPU)",
         py::arg("x"), py::arg("residual"), py::arg("cos"), py::arg("sin"), py::arg("weights"), py::arg("k_caches"),

@@ -110,6 +110,9 @@ struct Table {
   // int4 weights in groups of 32 inputs, AVX2 + FMA (linear_int4.cpp); dt: the activations' and output's dtype
   void (*linear_int4)(DType dt, const void* x, const uint8_t* q, const float* sz, void* out, int64_t m, int64_t k,
                       int64_t n) = nullptr;
+  // int8 weights, one scale per output channel, AVX2 + FMA (linear_int8.cpp)
+  void (*linear_int8)(DType dt, const void* x, const int8_t* q, const float* scale, void* out, int64_t m, int64_t k,
+                      int64_t n) = nullptr;
   void (*lora_sgmv)(const LoRAArgs&) = nullptr;
   void (*sample_rows)(const float* logits, int64_t rows, int64_t vocab, const float* temperature,
                       const int64_t* top_k, const float* top_p, const float* min_p, const double* uniform,

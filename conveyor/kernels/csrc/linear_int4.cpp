@@ -5,10 +5,12 @@
 // in memory traffic. torch's `_weight_int4pack_mm_for_cpu` is not, on an AVX2 CPU: on a 2-core Zen 3 a
 // SmolLM2 decode step with it took 17.7 ms against 12.8 ms in bf16, and llama.cpp's Q4_1 9.1 ms.
 //
-// Layout (conveyor/model/quantization.py packs it): columns in blocks of 8; per block, K/2 rows of 8 bytes,
+// Layout (conveyor/model/quantization.py packs it): columns in blocks of 16; per block, K/2 rows of 16 bytes,
 // byte j of row i holding column j's q[2i] (low nibble) and q[2i + 1] (high nibble): one 8-byte load widened
-// to 8 lanes gives two k's of 8 columns after a mask and a shift. Per block and group: 8 scales, then 8
-// "zeros" z' = zero - 8 * scale, so that sum_k w x = scale * sum_k q x + z' * sum_k x over the group.
+// to 8 lanes gives two k's of 8 columns after a mask and a shift. Per block and group: 16 scales, then 16
+// "zeros" z' = zero - 8 * scale, so that sum_k w x = scale * sum_k q x + z' * sum_k x over the group. A block's
+// weights are one contiguous stream, its scales another (with 8-column blocks read two at a time, a decode step
+// streamed at 10 GB/s from memory on one Zen 3 core, which reads 17 GB/s).
 //
 // Numerics, the same for every output whatever the rows beside it (batch-invariant by construction): per
 // group, two FMA chains (even k, odd k) of q * x in k order, added; then y = fma(scale, that, y) and
@@ -33,8 +35,8 @@ namespace CONVEYOR_VARIANT {
 namespace {
 
 constexpr int64_t kGroupK = 32;  // inputs per quantization group
-constexpr int kRows = 4;         // rows per pass over the weights
-constexpr int64_t kColBlocks = 8;  // column blocks whose weights stay in L2 across the row passes
+constexpr int kRows = 3;         // rows per pass over the weights (2 x 3 x 2 accumulators)
+constexpr int64_t kColBlocks = 4;  // 16-column blocks whose weights stay in L2 across the row passes
 
 // 8 fp32 -> 8 bf16 (round to nearest even; NaN stays a quiet NaN), as torch's c10::BFloat16 rounds.
 inline __m128i to_bf16(__m256 v) {
@@ -47,28 +49,27 @@ inline __m128i to_bf16(__m256 v) {
   return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
 }
 
-// R rows (x: fp32 [R][K], xs: [R][groups]) times C column blocks from block cb0; results to out rows.
-template <int R, int C>
+// R rows (x: fp32 [R][K], xs: [R][groups]) times one 16-column block b (two 8-lane halves); results to out rows.
+// The block's weights are one contiguous stream (and its scales another): what the prefetchers follow best.
+template <int R>
 inline void tile(const float* x, const float* xs, int64_t k, int64_t groups, const uint8_t* q, const float* sz,
-                 int64_t cb0, DType dt, void* out, int64_t n) {
+                 int64_t b, DType dt, void* out, int64_t n) {
   // the outputs' running sums live in L1, touched once a group: in registers they would crowd the FMA chains
-  alignas(32) float y[R][C][8] = {};
+  alignas(32) float y[R][2][8] = {};
   const __m256i low = _mm256_set1_epi32(0xF);
-  const int64_t block_bytes = (k / 2) * 8;
+  const uint8_t* qb = q + b * (k / 2) * 16;
+  const float* sb = sz + b * groups * 32;
   for (int64_t g = 0; g < groups; ++g) {
-    __m256 even[R][C], odd[R][C];
+    __m256 even[R][2], odd[R][2];
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) even[r][c] = odd[r][c] = _mm256_setzero_ps();
+      for (int c = 0; c < 2; ++c) even[r][c] = odd[r][c] = _mm256_setzero_ps();
     for (int64_t i = 0; i < kGroupK / 2; ++i) {
       const int64_t kk = g * kGroupK + 2 * i;
-      for (int c = 0; c < C; ++c) {
-        const uint8_t* qp = q + (cb0 + c) * block_bytes + (kk / 2) * 8;
-        // a decode step streams the weights from memory: ask for each 64-byte line 2 KiB ahead of use, and
-        // for the scales a group's line 8 groups ahead
-        if (R <= 2 && i % 8 == 0) _mm_prefetch(reinterpret_cast<const char*>(qp + 2048), _MM_HINT_T0);
-        if (R <= 2 && i == 0)
-          _mm_prefetch(reinterpret_cast<const char*>(sz + ((cb0 + c) * groups + g + 8) * 16), _MM_HINT_T0);
-        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qp)));
+      const uint8_t* qp = qb + (kk / 2) * 16;
+      // no software prefetch: on these two contiguous streams the hardware's does better (Zen 3, one core, cold:
+      // 16.4 G weights/s without, 15.3 with lines asked for 2 KiB ahead)
+      for (int c = 0; c < 2; ++c) {
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qp + c * 8)));
         const __m256 we = _mm256_cvtepi32_ps(_mm256_and_si256(v, low));
         const __m256 wo = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
         for (int r = 0; r < R; ++r) {
@@ -77,9 +78,9 @@ inline void tile(const float* x, const float* xs, int64_t k, int64_t groups, con
         }
       }
     }
-    for (int c = 0; c < C; ++c) {
-      const float* s = sz + ((cb0 + c) * groups + g) * 16;
-      const __m256 sv = _mm256_loadu_ps(s), zv = _mm256_loadu_ps(s + 8);
+    for (int c = 0; c < 2; ++c) {
+      const float* s = sb + g * 32 + c * 8;  // 16 scales, then 16 zeros
+      const __m256 sv = _mm256_loadu_ps(s), zv = _mm256_loadu_ps(s + 16);
       for (int r = 0; r < R; ++r) {
         __m256 acc = _mm256_fmadd_ps(sv, _mm256_add_ps(even[r][c], odd[r][c]), _mm256_load_ps(y[r][c]));
         _mm256_store_ps(y[r][c], _mm256_fmadd_ps(zv, _mm256_broadcast_ss(xs + r * groups + g), acc));
@@ -87,8 +88,8 @@ inline void tile(const float* x, const float* xs, int64_t k, int64_t groups, con
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) {
-      const int64_t at = r * n + (cb0 + c) * 8;
+    for (int c = 0; c < 2; ++c) {
+      const int64_t at = r * n + b * 16 + c * 8;
       const __m256 v = _mm256_load_ps(y[r][c]);
       if (dt == DType::BF16)
         _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + at), to_bf16(v));
@@ -97,33 +98,24 @@ inline void tile(const float* x, const float* xs, int64_t k, int64_t groups, con
     }
 }
 
-// rows [0, rr) of a pass, column blocks [b, e), in tiles of R rows x C blocks (2 * R * C accumulators).
-template <int R>
-void blocks(const float* x, const float* xs, int64_t k, int64_t groups, const uint8_t* q, const float* sz,
-            int64_t b, int64_t e, DType dt, void* out, int64_t n) {
-  constexpr int C = R <= 2 ? 2 : 1;  // measured on Zen 3: (1, 2) 16.3 G weights/s a core, (1, 4) 13.3, (1, 1) 14.2
-  int64_t j = b;
-  for (; j + C <= e; j += C) tile<R, C>(x, xs, k, groups, q, sz, j, dt, out, n);
-  for (; j < e; ++j) tile<R, 1>(x, xs, k, groups, q, sz, j, dt, out, n);
-}
-
 void pass(int rr, const float* x, const float* xs, int64_t k, int64_t groups, const uint8_t* q, const float* sz,
           int64_t b, int64_t e, DType dt, void* out, int64_t n) {
-  switch (rr) {
-    case 1: return blocks<1>(x, xs, k, groups, q, sz, b, e, dt, out, n);
-    case 2: return blocks<2>(x, xs, k, groups, q, sz, b, e, dt, out, n);
-    case 3: return blocks<3>(x, xs, k, groups, q, sz, b, e, dt, out, n);
-    default: return blocks<4>(x, xs, k, groups, q, sz, b, e, dt, out, n);
+  for (int64_t j = b; j < e; ++j) {
+    switch (rr) {
+      case 1: tile<1>(x, xs, k, groups, q, sz, j, dt, out, n); break;
+      case 2: tile<2>(x, xs, k, groups, q, sz, j, dt, out, n); break;
+      default: tile<3>(x, xs, k, groups, q, sz, j, dt, out, n); break;
+    }
   }
 }
 
 }  // namespace
 
-// x [M, K] (fp32 or bf16, `dt`), q and sz as packed above, out [M, N] in `dt`; K % 32 == 0, N % 8 == 0 (the
+// x [M, K] (fp32 or bf16, `dt`), q and sz as packed above, out [M, N] in `dt`; K % 32 == 0, N % 16 == 0 (the
 // bindings check).
 void linear_int4(DType dt, const void* xv, const uint8_t* q, const float* sz, void* out, int64_t m, int64_t k,
                  int64_t n) {
-  const int64_t groups = k / kGroupK, nblk = n / 8;
+  const int64_t groups = k / kGroupK, nblk = n / 16;
   // the activations in fp32 once, and each group's sum (for the zeros), summed in k order
   std::vector<float> xf(static_cast<size_t>(m * k)), xs(static_cast<size_t>(m * groups));
   parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
