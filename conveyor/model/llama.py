@@ -235,10 +235,10 @@ class LlamaModel(nn.Module):
         layers has its compiled kernel: the fused RMSNorm/RoPE/SiLU, the kernel attention on a bf16/fp32
         cache, and every linear packed for one of our bf16 kernels, without bias. The same kernels run in
         the same order, so outputs are bit-identical; what goes is ~20 Python-level calls per layer (about
-        4 ms of a 17 ms one-stream decode step on a 2-core Zen 3). int4 layers on our int4 kernel qualify too,
-        for the steps their dense copies (see quantization.py) do not take. Returns whether it is on.
+        4 ms of a 17 ms one-stream decode step on a 2-core Zen 3). int8 and int4 layers on our kernels qualify
+        too, for the steps their dense copies (see quantization.py) do not take. Returns whether it is on.
 
-        Anything else (LoRA's wrapped linears, int8 or oneDNN linears, the torch reference path, an int8 KV
+        Anything else (LoRA's wrapped linears, oneDNN or torch's linears, the torch reference path, an int8 KV
         cache at call time) keeps the Python loop, which stays the reference."""
         from conveyor.model.packed_linear import _OPS, PackedLinear
         from conveyor.model.quantization import QuantizedLinear
@@ -247,7 +247,7 @@ class LlamaModel(nn.Module):
             if type(m) is PackedLinear and m.kernel in _OPS and m.bias is None:
                 return _OPS[m.kernel], [m.packed]
             if type(m) is QuantizedLinear and m.ours and m.bias is None:
-                return "linear_int4", [m.qweight, m.scales]
+                return f"linear_int{m.bits}", [m.qweight, m.scales]
             return None
 
         self.fused_body, self.fused_max_rows = None, None

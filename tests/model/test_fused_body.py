@@ -58,11 +58,12 @@ def generate(model_dir, monkeypatch, fused: bool, **config) -> tuple[dict, dict,
 
 
 @pytest.mark.parametrize("config", [{}, {"num_kv_blocks": 24, "max_num_seqs": 8, "max_model_len": 256},
-                                    {"quantization": "int4"}], ids=["plain", "preempting", "int4"])
+                                    {"quantization": "int4"}, {"quantization": "int8"}],
+                         ids=["plain", "preempting", "int4", "int8"])
 def test_one_call_gives_the_loops_bits(model_dir, monkeypatch, config):
     if config.get("quantization"):
         if not int4_kernel_fits(quantize_int4(torch.randn(16, 32), 32), torch.bfloat16):
-            pytest.skip("our int4 kernel needs AVX2 + FMA and the compiled kernels")
+            pytest.skip("our int kernels need AVX2 + FMA and the compiled kernels")
         monkeypatch.setenv("CONVEYOR_QUANT_DENSE_ABOVE", "none")  # every step on the int4 kernel, in both runs
     fused_tokens, fused_logits, eng = generate(model_dir, monkeypatch, True, **config)
     assert eng.runner.model.fused_body is not None, "the fused body should run here"

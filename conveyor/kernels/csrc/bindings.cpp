@@ -354,7 +354,7 @@ at::Tensor linear_int8(at::Tensor x, at::Tensor q, at::Tensor scale) {
 // op each), ~70 us a layer on a 2-core Zen 3, about 2 ms of a 16 ms one-stream decode step of SmolLM2; here
 // they cost ATen's C++ overhead only. weights: per layer (input norm, qkv packed, o packed, post-attention
 // norm, gate_up, down), the linears all packed for `linear` ("linear_bf16", "linear_amx" or "linear_avx2": one
-// tensor each; "linear_int4": two, q and sz), no biases. Returns (x, residual) as the last layer leaves them
+// tensor each; "linear_int4" or "linear_int8": two, q and the scales), no biases. Returns (x, residual) as the last layer leaves them
 // (the final norm is Python's).
 std::vector<at::Tensor> decoder_layers(at::Tensor x, c10::optional<at::Tensor> residual_in, at::Tensor cos,
                                        at::Tensor sin, const std::vector<at::Tensor>& weights,
@@ -362,16 +362,17 @@ std::vector<at::Tensor> decoder_layers(at::Tensor x, c10::optional<at::Tensor> r
                                        at::Tensor slots, at::Tensor block_tables, at::Tensor cu_q, at::Tensor ctx_lens,
                                        int64_t heads, int64_t kv_heads, double eps, double scale,
                                        const std::string& linear) {
-  const bool int4 = linear == "linear_int4";
+  const bool int4 = linear == "linear_int4", int8 = linear == "linear_int8";
   at::Tensor (*lin)(at::Tensor, at::Tensor) = linear == "linear_avx2" ? &linear_avx2
                                               : linear == "linear_amx" ? &linear_amx
                                               : linear == "linear_bf16" ? &linear_bf16 : nullptr;
-  TORCH_CHECK(lin != nullptr || int4, "decoder_layers: unknown linear '", linear, "'");
-  const size_t layers = k_caches.size(), s = int4 ? 2 : 1, per = 2 + 4 * s;  // tensors per linear, per layer
+  TORCH_CHECK(lin != nullptr || int4 || int8, "decoder_layers: unknown linear '", linear, "'");
+  // tensors per linear (s), per layer (per)
+  const size_t layers = k_caches.size(), s = int4 || int8 ? 2 : 1, per = 2 + 4 * s;
   TORCH_CHECK(weights.size() == per * layers && v_caches.size() == layers && layers > 0 && x.dim() == 2,
               "decoder_layers: ", per, " weights and one (K, V) cache per layer, x [T, hidden]");
   auto apply = [&](const at::Tensor& in, const at::Tensor* w) {
-    return int4 ? linear_int4(in, w[0], w[1]) : lin(in, w[0]);
+    return int4 ? linear_int4(in, w[0], w[1]) : int8 ? linear_int8(in, w[0], w[1]) : lin(in, w[0]);
   };
   const int64_t t = x.size(0), d = k_caches[0].size(2);
   at::Tensor residual;
