@@ -351,11 +351,11 @@ at::Tensor linear_int8(at::Tensor x, at::Tensor q, at::Tensor scale) {
 // A Llama body's decoder layers in one call: the ops of LlamaModel's Python path (llama.py: DecoderLayer,
 // Attention, MLP with the compiled kernels), the same kernels in the same order on the same tensors, so the
 // bits are the same. Why: that path makes ~20 Python-level calls per layer (module calls, views, splits, one
-// op each), ~70 us a layer on a 2-core Zen 3, about 2 ms of a 16 ms one-stream decode step of SmolLM2; here
-// they cost ATen's C++ overhead only. weights: per layer (input norm, qkv packed, o packed, post-attention
-// norm, gate_up, down), the linears all packed for `linear` ("linear_bf16", "linear_amx" or "linear_avx2": one
-// tensor each; "linear_int4" or "linear_int8": two, q and the scales), no biases. Returns (x, residual) as the last layer leaves them
-// (the final norm is Python's).
+// op each), about 4 ms of a 17 ms one-stream decode step of SmolLM2 on a 2-core Zen 3; here they cost ATen's
+// C++ overhead only. weights: per layer (input norm, qkv, o, post-attention norm, gate_up, down), the linears
+// all packed for `linear` ("linear_bf16", "linear_amx" or "linear_avx2": one tensor each; "linear_int4" or
+// "linear_int8": two, q and the scales), no biases. Returns (x, residual) as the last layer leaves them (the
+// final norm is Python's).
 std::vector<at::Tensor> decoder_layers(at::Tensor x, c10::optional<at::Tensor> residual_in, at::Tensor cos,
                                        at::Tensor sin, const std::vector<at::Tensor>& weights,
                                        const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
