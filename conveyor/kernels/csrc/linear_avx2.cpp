@@ -33,21 +33,12 @@ namespace conveyor {
 namespace CONVEYOR_VARIANT {
 
 #if CONVEYOR_HAS_AVX2_LINEAR
+#include "linear_common.h"
+
 namespace {
 
 constexpr int kGroup = 6;  // rows per register block of the widened path: 6 x 2 accumulators + 2 weights + 1 broadcast
 constexpr int64_t kWidenFrom = 2 * kGroup;  // from this many rows, widen each 16-column block once for all rows
-
-// 8 fp32 -> 8 bf16 (round to nearest even; NaN stays a quiet NaN), as torch's c10::BFloat16 rounds.
-inline __m128i to_bf16(__m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
-  const __m256i packed = _mm256_packus_epi32(r, r);  // per 128-bit lane: 4 words, 4 words (again)
-  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));  // lanes' first halves, in order
-}
 
 // rows [0, R) of one group of activations (fp32, laid out [K][kGroup]: a k's rows side by side, so that every
 // broadcast is a constant offset from one pointer) times NB 16-column blocks from block b0 of the packed weight,

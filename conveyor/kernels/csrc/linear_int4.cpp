@@ -32,22 +32,13 @@ namespace conveyor {
 namespace CONVEYOR_VARIANT {
 
 #if CONVEYOR_HAS_INT4_LINEAR
+#include "linear_common.h"
+
 namespace {
 
 constexpr int64_t kGroupK = 32;  // inputs per quantization group
 constexpr int kRows = 3;         // rows per pass over the weights (2 x 3 x 2 accumulators)
 constexpr int64_t kColBlocks = 4;  // 16-column blocks whose weights stay in L2 across the row passes
-
-// 8 fp32 -> 8 bf16 (round to nearest even; NaN stays a quiet NaN), as torch's c10::BFloat16 rounds.
-inline __m128i to_bf16(__m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
-  const __m256i packed = _mm256_packus_epi32(r, r);
-  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
-}
 
 // R rows (x: fp32 [R][K], xs: [R][groups]) times one 16-column block b (two 8-lane halves); results to out rows.
 // The block's weights are one contiguous stream (and its scales another): what the prefetchers follow best.
@@ -90,11 +81,7 @@ inline void tile(const float* x, const float* xs, int64_t k, int64_t groups, con
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 2; ++c) {
       const int64_t at = r * n + b * 16 + c * 8;
-      const __m256 v = _mm256_load_ps(y[r][c]);
-      if (dt == DType::BF16)
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + at), to_bf16(v));
-      else
-        _mm256_storeu_ps(static_cast<float*>(out) + at, v);
+      store8(dt, out, at, _mm256_load_ps(y[r][c]));
     }
 }
 
@@ -118,15 +105,10 @@ void linear_int4(DType dt, const void* xv, const uint8_t* q, const float* sz, vo
   const int64_t groups = k / kGroupK, nblk = n / 16;
   // the activations in fp32 once, and each group's sum (for the zeros), summed in k order
   std::vector<float> xf(static_cast<size_t>(m * k)), xs(static_cast<size_t>(m * groups));
+  rows_to_fp32(dt, xv, m, k, xf.data());
   parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      float* dst = xf.data() + r * k;
-      if (dt == DType::BF16) {
-        const uint16_t* src = static_cast<const uint16_t*>(xv) + r * k;
-        for (int64_t i = 0; i < k; ++i) dst[i] = bits_to_float(static_cast<uint32_t>(src[i]) << 16);
-      } else {
-        std::copy_n(static_cast<const float*>(xv) + r * k, k, dst);
-      }
+      const float* dst = xf.data() + r * k;
       for (int64_t g = 0; g < groups; ++g) {
         float s = 0.0f;
         for (int64_t i = 0; i < kGroupK; ++i) s += dst[g * kGroupK + i];
@@ -134,20 +116,10 @@ void linear_int4(DType dt, const void* xv, const uint8_t* q, const float* sz, vo
       }
     }
   });
-  const int64_t nt = get_num_threads();
   const size_t esize = dt == DType::BF16 ? 2 : 4;
-  parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t lo = nblk * t / nt, hi = nblk * (t + 1) / nt;
-      for (int64_t b = lo; b < hi; b += kColBlocks) {
-        const int64_t e = std::min(hi, b + kColBlocks);
-        for (int64_t r = 0; r < m; r += kRows) {
-          const int rr = static_cast<int>(std::min<int64_t>(kRows, m - r));
-          pass(rr, xf.data() + r * k, xs.data() + r * groups, k, groups, q, sz, b, e, dt,
-               static_cast<char*>(out) + static_cast<size_t>(r * n) * esize, n);
-        }
-      }
-    }
+  over_blocks_and_rows(nblk, m, kColBlocks, kRows, [&](int64_t b, int64_t e, int64_t r, int rr) {
+    pass(rr, xf.data() + r * k, xs.data() + r * groups, k, groups, q, sz, b, e, dt,
+         static_cast<char*>(out) + static_cast<size_t>(r * n) * esize, n);
   });
 }
 #endif

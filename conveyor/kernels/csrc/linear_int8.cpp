@@ -26,21 +26,12 @@ namespace conveyor {
 namespace CONVEYOR_VARIANT {
 
 #if CONVEYOR_HAS_INT8_LINEAR
+#include "linear_common.h"
+
 namespace {
 
 constexpr int kRows = 3;  // rows per pass over the weights (2 x 3 x 2 accumulators)
 constexpr int64_t kColBlocks = 4;  // 16-column blocks whose weights stay in L2 across the row passes
-
-// 8 fp32 -> 8 bf16 (round to nearest even; NaN stays a quiet NaN), as torch's c10::BFloat16 rounds.
-inline __m128i to_bf16(__m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
-  const __m256i packed = _mm256_packus_epi32(r, r);
-  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
-}
 
 // R rows (x: fp32 [R][K]) times one 16-column block b (two 8-lane halves); results to out rows.
 template <int R>
@@ -66,10 +57,7 @@ inline void tile(const float* x, int64_t k, const int8_t* q, const float* scale,
     for (int c = 0; c < 2; ++c) {
       const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(scale + b * 16 + c * 8), _mm256_add_ps(even[r][c], odd[r][c]));
       const int64_t at = r * n + b * 16 + c * 8;
-      if (dt == DType::BF16)
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + at), to_bf16(v));
-      else
-        _mm256_storeu_ps(static_cast<float*>(out) + at, v);
+      store8(dt, out, at, v);
     }
 }
 
@@ -81,35 +69,16 @@ void linear_int8(DType dt, const void* xv, const int8_t* q, const float* scale, 
                  int64_t n) {
   const int64_t nblk = n / 16;
   std::vector<float> xf(static_cast<size_t>(m * k));  // the activations in fp32 once
-  parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      if (dt == DType::BF16) {
-        const uint16_t* src = static_cast<const uint16_t*>(xv) + r * k;
-        for (int64_t i = 0; i < k; ++i) xf[r * k + i] = bits_to_float(static_cast<uint32_t>(src[i]) << 16);
-      } else {
-        std::copy_n(static_cast<const float*>(xv) + r * k, k, xf.data() + r * k);
-      }
-    }
-  });
-  const int64_t nt = get_num_threads();
+  rows_to_fp32(dt, xv, m, k, xf.data());
   const size_t esize = dt == DType::BF16 ? 2 : 4;
-  parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t lo = nblk * t / nt, hi = nblk * (t + 1) / nt;
-      for (int64_t b = lo; b < hi; b += kColBlocks) {
-        const int64_t e = std::min(hi, b + kColBlocks);
-        for (int64_t r = 0; r < m; r += kRows) {
-          const int rr = static_cast<int>(std::min<int64_t>(kRows, m - r));
-          const float* x = xf.data() + r * k;
-          void* o = static_cast<char*>(out) + static_cast<size_t>(r * n) * esize;
-          for (int64_t j = b; j < e; ++j) {
-            switch (rr) {
-              case 1: tile<1>(x, k, q, scale, j, dt, o, n); break;
-              case 2: tile<2>(x, k, q, scale, j, dt, o, n); break;
-              default: tile<3>(x, k, q, scale, j, dt, o, n); break;
-            }
-          }
-        }
+  over_blocks_and_rows(nblk, m, kColBlocks, kRows, [&](int64_t b, int64_t e, int64_t r, int rr) {
+    const float* x = xf.data() + r * k;
+    void* o = static_cast<char*>(out) + static_cast<size_t>(r * n) * esize;
+    for (int64_t j = b; j < e; ++j) {
+      switch (rr) {
+        case 1: tile<1>(x, k, q, scale, j, dt, o, n); break;
+        case 2: tile<2>(x, k, q, scale, j, dt, o, n); break;
+        default: tile<3>(x, k, q, scale, j, dt, o, n); break;
       }
     }
   });

@@ -1,0 +1,55 @@
+// What the AVX2 linear kernels (linear_avx2.cpp, linear_int4.cpp, linear_int8.cpp) share: fp32 lanes rounded to
+// bf16 as torch rounds them, and activations widened to fp32 once per call. Included inside a kernel file's
+// variant namespace (it uses that variant's parallel_for), after <immintrin.h> and <algorithm>.
+#pragma once
+
+#if defined(__AVX2__) && defined(__FMA__)
+// 8 fp32 -> 8 bf16 (round to nearest even; NaN stays a quiet NaN), as torch's c10::BFloat16 rounds.
+inline __m128i to_bf16(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+  const __m256i packed = _mm256_packus_epi32(r, r);  // per 128-bit lane: 4 words, 4 words (again)
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));  // lanes' first halves, in order
+}
+
+// x [m, k] in `dt` (fp32 or bf16) -> out [m, k] fp32, rows split over the pool.
+inline void rows_to_fp32(DType dt, const void* x, int64_t m, int64_t k, float* out) {
+  parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      if (dt == DType::BF16) {
+        const uint16_t* src = static_cast<const uint16_t*>(x) + r * k;
+        for (int64_t i = 0; i < k; ++i) out[r * k + i] = bits_to_float(static_cast<uint32_t>(src[i]) << 16);
+      } else {
+        std::copy_n(static_cast<const float*>(x) + r * k, k, out + r * k);
+      }
+    }
+  });
+}
+
+// Each thread of the pool takes an equal share of the `nblk` column blocks; within it, `col_blocks` blocks at a
+// time (their weights stay in L2 across the row passes), the rows in passes of `rows`:
+// f(first block, end block, first row, rows in this pass).
+template <typename F>
+inline void over_blocks_and_rows(int64_t nblk, int64_t m, int64_t col_blocks, int rows, const F& f) {
+  const int64_t nt = get_num_threads();
+  parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t lo = nblk * t / nt, hi = nblk * (t + 1) / nt;
+      for (int64_t b = lo; b < hi; b += col_blocks)
+        for (int64_t r = 0; r < m; r += rows)
+          f(b, std::min(hi, b + col_blocks), r, static_cast<int>(std::min<int64_t>(rows, m - r)));
+    }
+  });
+}
+
+// y (8 fp32 lanes) stored at `at` elements into `out`, in `dt`.
+inline void store8(DType dt, void* out, int64_t at, __m256 y) {
+  if (dt == DType::BF16)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + at), to_bf16(y));
+  else
+    _mm256_storeu_ps(static_cast<float*>(out) + at, y);
+}
+#endif
