@@ -1,6 +1,6 @@
 """Noisy neighbour over HTTP: a quiet tenant beside one sending 8x its rate, under each strategy.
 
-    python benchmarks/noisy_neighbour.py --out docs/fairness/noisy_neighbour.json   # about 5 minutes, SmolLM2
+    python benchmarks/noisy_neighbour.py --out docs/fairness/noisy_neighbour.json   # about 10 minutes, SmolLM2
 
 One `conveyor serve` of SmolLM2-135M (`--max-num-seqs 4`, so a few streams fill it) is driven with the
 `openai` client, streaming. Each strategy is switched in live (`POST /admin/scheduler`), and the server
@@ -259,7 +259,8 @@ def main() -> int:
     ap.add_argument("--fair", default="fair", help="the strategy whose tenant shares are measured")
     ap.add_argument("--quiet-rate", type=float, default=1.0, help="tenant B's requests per second")
     ap.add_argument("--ratio", type=float, default=8.0, help="tenant A's rate over B's")
-    ap.add_argument("--seconds", type=float, default=40.0, help="length of each open-loop phase")
+    # 120 s: ~120 of B's requests at 1/s, so that the p99 is not simply the slowest request
+    ap.add_argument("--seconds", type=float, default=120.0, help="length of each open-loop phase")
     ap.add_argument("--prompt-words", type=int, default=SIZES["prompt_words"])
     ap.add_argument("--output-tokens", type=int, default=SIZES["output_tokens"], help="the noisy tenant's output "
                     "tokens per request")
