@@ -291,13 +291,10 @@ class FairPolicy(IterationPolicy):
       service, kept its seats. Two backlogged tenants receive about equal service, so neither becomes
       light and the seat shares hold; a backlog that comes back after an idle spell is light but does not
       fit, so it takes no more than its share (idle time earns no seats either); the gap between entering
-      (half the mean) and leaving (the mean) keeps a tenant near the line from flipping. While such a light
-      tenant is active, the others' prefill goes in chunks of `LIGHT_CHUNK_TOKENS` a step, so a step stays
-      about a decode step long: a light request waits little for the step running when it arrives.
+      (half the mean) and leaving (the mean) keeps a tenant near the line from flipping.
     """
 
     LIGHT_FRACTION = 0.5  # a tenant becomes light under this fraction of the active tenants' mean service
-    LIGHT_CHUNK_TOKENS = 32  # others' prefill tokens per step while a light tenant is active
     RECENT_DECAY = 0.99  # per step: recent service fades with a half-life of ~70 steps
 
     name = "fair"
@@ -451,13 +448,6 @@ class FairPolicy(IterationPolicy):
         self.update_light(s)
         self.preempt_for_share(s, step)
         self.serve_under_share_first(s, step)
-        if self.light_fits and step.token_budget > 0:
-            # a light tenant is active: the other tenants' prefill (prompts, preempted requests' recomputes) goes
-            # in chunks of LIGHT_CHUNK_TOKENS a step, so that a step stays about a decode step long and a light
-            # request arriving while one runs waits little for it
-            decodes = sum(r.num_remaining_work for r in s.running
-                          if not r.is_prefill and r.request_id not in step.scheduled_ids)
-            step.token_budget = min(step.token_budget, decodes + self.LIGHT_CHUNK_TOKENS)
         super().schedule(s, step)
         # fade; a tenant whose recent service has faded to nothing is dropped (tenants come and go by the thousand)
         self.recent = {t: v * self.RECENT_DECAY for t, v in self.recent.items() if v > 1e-3}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conveyor.scheduler.policies import FairPolicy, parse_tenant_weights
+from conveyor.scheduler.policies import parse_tenant_weights
 from tests.scheduler.harness import Harness
 
 
@@ -160,12 +160,8 @@ def test_fair_quiet_prompt_goes_before_a_noisy_long_prompt_in_the_budget(schedul
     step = h.step()
     if scheduler == "fair":
         assert quiet.first_token_time is not None and h.sched.num_preemptions == 0
-        # quiet is light (no service yet beside the noisy tenant's): its step carries no other prefill chunk,
-        # and while it runs, the long prompt goes in chunks of LIGHT_CHUNK_TOKENS
+        # quiet is light (no service yet beside the noisy tenant's): its step carries no other prefill chunk
         assert long not in [it.request for it in step.items]
-        step = h.step()
-        chunk = next(it.num_tokens for it in step.items if it.request is long)
-        assert chunk == FairPolicy.LIGHT_CHUNK_TOKENS < 64 - 3
         h.run()
         assert long.finished
     else:
