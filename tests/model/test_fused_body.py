@@ -66,11 +66,11 @@ def test_one_call_gives_the_loops_bits(model_dir, monkeypatch, config):
             pytest.skip("our int kernels need AVX2 + FMA and the compiled kernels")
         monkeypatch.setenv("CONVEYOR_QUANT_DENSE_ABOVE", "none")  # every step on the int4 kernel, in both runs
     fused_tokens, fused_logits, eng = generate(model_dir, monkeypatch, True, **config)
-    assert eng.runner.model.fused_body is not None, "the fused body should run here"
+    assert eng.model.fused_body is not None, "the fused body should run here"
     if "num_kv_blocks" in config:
-        assert eng.scheduler.num_preemptions > 0, "the small pool was meant to force recomputes"
+        assert eng.snapshot().preemptions > 0, "the small pool was meant to force recomputes"
     loop_tokens, loop_logits, eng = generate(model_dir, monkeypatch, False, **config)
-    assert eng.runner.model.fused_body is None
+    assert eng.model.fused_body is None
     assert fused_tokens == loop_tokens
     assert fused_logits.keys() == loop_logits.keys()
     for rid in loop_logits:
@@ -82,8 +82,8 @@ def test_one_call_gives_the_loops_bits(model_dir, monkeypatch, config):
 def test_the_loop_runs_where_an_op_is_not_compiled(model_dir, monkeypatch):
     monkeypatch.setenv("CONVEYOR_FUSED_BODY", "1")
     eng = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", dtype="bfloat16", attention_backend="torch"))
-    assert eng.runner.model.fused_body is None  # the torch reference attention: op by op
+    assert eng.model.fused_body is None  # the torch reference attention: op by op
     eng = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32"))
-    assert eng.runner.model.fused_body is None  # fp32 weights run oneDNN's linears
+    assert eng.model.fused_body is None  # fp32 weights run oneDNN's linears
     eng = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", dtype="bfloat16", enable_lora=True))
-    assert eng.runner.model.fused_body is None  # LoRA wraps every linear
+    assert eng.model.fused_body is None  # LoRA wraps every linear
