@@ -451,6 +451,7 @@ class FairPolicy(IterationPolicy):
         super().schedule(s, step)
         # fade; a tenant whose recent service has faded to nothing is dropped (tenants come and go by the thousand)
         self.recent = {t: v * self.RECENT_DECAY for t, v in self.recent.items() if v > 1e-3}
+        self.light &= self.recent.keys()  # (one back with nothing recent is judged afresh: light, 0 < half the mean)
         for it in step.items:  # charge what this step serves
             r = it.request
             fed = it.num_tokens - it.num_draft
