@@ -284,11 +284,13 @@ class FairPolicy(IterationPolicy):
     - light tenants: a tenant whose recent service (weighted tokens, fading by `RECENT_DECAY` per step)
       falls under `LIGHT_FRACTION` of the active tenants' mean becomes *light*, and stays light until it
       has more than the mean; a light tenant is never preempted for another's share. While all its
-      requests (running and waiting) fit in the seats the other active tenants leave it (one each), its
-      waiting requests also come first and may take seats past its share, a heavy tenant giving seats
-      down to its last. A quiet tenant's requests are short and rare; capping them at a seat share made
-      them queue behind each other in every burst, while the noisy tenant, far above its share of
-      service, kept its seats. Two backlogged tenants receive about equal service, so neither becomes
+      requests (running and waiting) fit in `max_num_seqs`, its waiting requests also come first and may
+      take seats past its share, heavy tenants giving back as many seats as it needs, down to none: it is
+      served as it would be alone, for as long as a burst that fits lasts. A quiet tenant's requests are
+      short and rare; capping them at a seat share made them queue behind each other in every burst,
+      while the noisy tenant, far above its share of service, kept its seats (and leaving the noisy
+      tenant one seat made the fourth request of a burst on four seats wait for one of the first three to
+      finish: ~650 ms, the quiet tenant's p99). Two backlogged tenants receive about equal service, so neither becomes
       light and the seat shares hold; a backlog that comes back after an idle spell is light but does not
       fit, so it takes no more than its share (idle time earns no seats either); the gap between entering
       (half the mean) and leaving (the mean) keeps a tenant near the line from flipping.
@@ -377,8 +379,7 @@ class FairPolicy(IterationPolicy):
                 self.light.add(t)
             elif mine > mean:
                 self.light.discard(t)
-        room = s.config.max_num_seqs - (len(demand) - 1)  # the others keep a seat each
-        self.light_fits = {t for t in self.light & demand.keys() if demand[t] <= room}
+        self.light_fits = {t for t in self.light & demand.keys() if demand[t] <= s.config.max_num_seqs}
 
     def may_take_seat(self, t: str, seats: dict[str, int], share: dict[str, float]) -> bool:
         return t in self.light_fits or seats.get(t, 0) + 1 <= share[t]
@@ -388,7 +389,7 @@ class FairPolicy(IterationPolicy):
         furthest above its share (the newest of its requests, by recompute), so that a quiet tenant's request
         starts at once beside a noisy one instead of waiting for one of the noisy tenant's requests to
         finish. A tenant at or below its share is never preempted for another, nor is a light tenant, so
-        this cannot churn; for a light tenant, a heavy one gives seats down to its last."""
+        this cannot churn; for a light tenant whose requests fit, heavy ones give seats down to none."""
         if not s.waiting or len(s.running) < s.config.max_num_seqs:
             return
         share = self.shares(s)
@@ -399,7 +400,7 @@ class FairPolicy(IterationPolicy):
             t = w.tenant_id
             if not self.may_take_seat(t, seats, share):
                 continue
-            floor = {u: 1 if t in self.light_fits else share[u] for u in seats}
+            floor = {u: 0 if t in self.light_fits else share[u] for u in seats}
             over = [u for u in seats if seats[u] - 1 >= floor[u] and u != t and u not in self.light]
             if not over or sum(seats.values()) < s.config.max_num_seqs:
                 break  # nobody to take from, or a seat is free for it (one taken back, not yet refilled)
