@@ -289,11 +289,12 @@ class FairPolicy(IterationPolicy):
       served as it would be alone, for as long as a burst that fits lasts. A quiet tenant's requests are
       short and rare; capping them at a seat share made them queue behind each other in every burst,
       while the noisy tenant, far above its share of service, kept its seats (and leaving the noisy
-      tenant one seat made the fourth request of a burst on four seats wait for one of the first three to
-      finish: ~650 ms, the quiet tenant's p99). Two backlogged tenants receive about equal service, so neither becomes
-      light and the seat shares hold; a backlog that comes back after an idle spell is light but does not
-      fit, so it takes no more than its share (idle time earns no seats either); the gap between entering
-      (half the mean) and leaving (the mean) keeps a tenant near the line from flipping.
+      tenant one seat made the fourth request of a burst on four seats wait for one of the first three
+      to finish: ~650 ms, the quiet tenant's p99). Two backlogged tenants receive about equal service, so
+      neither becomes light and the seat shares hold; a backlog (more requests than seats) that comes back
+      after an idle spell is light but does not fit, so it takes no more than its share (idle time earns
+      no seats either); the gap between entering (half the mean) and leaving (the mean) keeps a tenant
+      near the line from flipping.
     """
 
     LIGHT_FRACTION = 0.5  # a tenant becomes light under this fraction of the active tenants' mean service
@@ -400,8 +401,10 @@ class FairPolicy(IterationPolicy):
             t = w.tenant_id
             if not self.may_take_seat(t, seats, share):
                 continue
-            floor = {u: 0 if t in self.light_fits else share[u] for u in seats}
-            over = [u for u in seats if seats[u] - 1 >= floor[u] and u != t and u not in self.light]
+            # a heavy tenant gives a seat down to its share; for a light tenant that fits, down to none
+            keep_share = t not in self.light_fits
+            over = [u for u in seats if u != t and u not in self.light
+                    and seats[u] - 1 >= (share[u] if keep_share else 0)]
             if not over or sum(seats.values()) < s.config.max_num_seqs:
                 break  # nobody to take from, or a seat is free for it (one taken back, not yet refilled)
             u = max(over, key=lambda u: (seats[u] - share[u], self.counters.get(u, 0.0), u))
