@@ -294,11 +294,16 @@ class FairPolicy(IterationPolicy):
       neither becomes light and the seat shares hold; a backlog (more requests than seats) that comes back
       after an idle spell is light but does not fit, so it takes no more than its share (idle time earns
       no seats either); the gap between entering (half the mean) and leaving (the mean) keeps a tenant
-      near the line from flipping.
+      near the line from flipping;
+    - short steps beside a light tenant: while one is around, a step takes at most `GUARD_STEPS` x a step
+      of its decodes alone, the others' prompts going in chunks (`guard_light`), so that a light tenant's
+      request arriving mid-step does not wait for a long prompt step of someone else's.
     """
 
     LIGHT_FRACTION = 0.5  # a tenant becomes light under this fraction of the active tenants' mean service
     RECENT_DECAY = 0.99  # per step: recent service fades with a half-life of ~70 steps
+    GUARD_STEPS = 2.0  # beside a light tenant, a step takes at most this many steps of its decodes alone
+    GUARD_MIN_PREFILL = 16  # ... and carries at least this many prefill tokens (prompts never stall)
 
     name = "fair"
 
@@ -314,6 +319,7 @@ class FairPolicy(IterationPolicy):
         self.recent: dict[str, float] = {}  # weighted service, fading by RECENT_DECAY per step
         self.light: set[str] = set()  # tenants light now (see the class docstring)
         self.light_fits: set[str] = set()  # ... whose requests also fit beside the others: served first
+        self.timer = StepTimer()  # how long steps take, for the light tenant's guard (`guard_light`)
 
     def weight(self, tenant: str) -> float:
         return self.weights.get(tenant, 1.0)
@@ -448,11 +454,36 @@ class FairPolicy(IterationPolicy):
             # prefill chunk (a long prompt, or a preempted request's recompute) makes its first token wait
             step.token_budget = 0
 
+    def guard_light(self, s: Scheduler, step: Step) -> None:
+        """While a light tenant is around (served lately, idle or not) beside a heavy one, cut the step's
+        budget so that it takes at most `GUARD_STEPS` x a step of its decodes alone (by the step-cost model,
+        `StepCost`), keeping at least `GUARD_MIN_PREFILL` prefill tokens so that prompts never stall.
+
+        A light tenant's request that arrives mid-step waits for the step in flight. Alone, that is one of its
+        own short steps, or none; beside a heavy tenant it may be that tenant's prompt step: several prompts
+        admitted together (a 32-token prompt beside 3 decodes took 104 ms on a 2-core Zen 3, four of them
+        nearly 300 ms, a 4-row decode 28 ms). So the heavy tenant's prompts go in chunks that keep every step
+        short. The cut costs a heavy tenant little: its decodes still run in every step, only its prompts
+        take a few more steps. It lasts as long as the light tenant stays in the light set, whose recent
+        service fades in ~1,000 steps of idleness; on a fast device a step's fixed cost dwarfs its tokens,
+        and the cut allows whole prompts."""
+        if not self.light or all(t in self.light for t in self.recent):
+            return
+        decodes = sum(1 + len(r.spec_token_ids) for r in s.running if not r.is_prefill)
+        fit = self.timer.cost.tokens_within(self.GUARD_STEPS * self.timer.cost.seconds(decodes))
+        if fit is None:
+            return  # no step timed yet
+        cap = max(fit, decodes + self.GUARD_MIN_PREFILL)
+        step.token_budget = min(step.token_budget, max(cap - step.num_tokens, 0))
+
     def schedule(self, s: Scheduler, step: Step) -> None:
+        self.timer.observe(s)
         self.update_light(s)
         self.preempt_for_share(s, step)
         self.serve_under_share_first(s, step)
+        self.guard_light(s, step)
         super().schedule(s, step)
+        self.timer.planned(s, step)
         # fade; a tenant whose recent service has faded to nothing is dropped (tenants come and go by the thousand)
         self.recent = {t: v * self.RECENT_DECAY for t, v in self.recent.items() if v > 1e-3}
         self.light &= self.recent.keys()  # (one back with nothing recent is judged afresh: light, 0 < half the mean)
@@ -509,6 +540,27 @@ class StepCost:
         return None if ab is None else max(int((seconds - ab[0]) / ab[1]), 0)
 
 
+class StepTimer:
+    """Feeds a `StepCost` from the scheduler's own calls: the time since the last call is the last step's
+    duration, if that step left work behind (so the engine stepped again at once, with no idle gap in
+    between). A policy calls `observe` when a step begins and `planned` once it is planned."""
+
+    def __init__(self) -> None:
+        self.cost = StepCost()
+        self.last: tuple[float, int, list[Request]] | None = None  # last step: planned when, tokens, requests
+
+    def observe(self, s: Scheduler) -> None:
+        now = s.clock()
+        if self.last is not None:
+            t, tokens, reqs = self.last
+            if tokens and any(not r.finished for r in reqs) and now > t:
+                self.cost.observe(tokens, now - t)
+        self.last = None
+
+    def planned(self, s: Scheduler, step: Step) -> None:
+        self.last = (s.clock(), step.num_tokens, [it.request for it in step.items])
+
+
 class SloPolicy(IterationPolicy):
     """Deadline-aware, for goodput (requests meeting both their TTFT and TPOT targets, per second) under
     overload, where plain earliest-deadline-first collapses: once the queue is longer than the targets,
@@ -541,19 +593,9 @@ class SloPolicy(IterationPolicy):
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
-        self.cost = StepCost()
-        self.last: tuple[float, int, list[Request]] | None = None  # last step: planned when, tokens, requests
+        self.timer = StepTimer()
+        self.cost = self.timer.cost
         self.rescued: Request | None = None  # the lost cause now served out of turn (bounds waiting)
-
-    def observe(self, s: Scheduler) -> None:
-        """The time since the last call is the last step's duration, if that step left work behind (so the
-        engine stepped again at once, with no idle gap in between)."""
-        now = s.clock()
-        if self.last is not None:
-            t, tokens, reqs = self.last
-            if tokens and any(not r.finished for r in reqs) and now > t:
-                self.cost.observe(tokens, now - t)
-        self.last = None
 
     def token_cap(self, s: Scheduler) -> int | None:
         """The step's token budget under the TPOT targets of the requests decoding now (None: no cap).
@@ -582,13 +624,13 @@ class SloPolicy(IterationPolicy):
         return None
 
     def schedule(self, s: Scheduler, step: Step) -> None:
-        self.observe(s)
+        self.timer.observe(s)
         cap = self.token_cap(s)
         if cap is not None and cap < step.token_budget:
             step.token_budget = cap
         s.running.sort(key=lambda r: (r.slo_tpot_s is None, r.slo_tpot_s or 0.0, r.arrival_time))
         super().schedule(s, step)
-        self.last = (s.clock(), step.num_tokens, [it.request for it in step.items])
+        self.timer.planned(s, step)
 
     def prefill_rate(self, s: Scheduler) -> float | None:
         """Prompt tokens per second a step serves beside the running decodes (None: no cost model yet)."""

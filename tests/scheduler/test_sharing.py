@@ -208,6 +208,62 @@ def test_fair_quiet_burst_past_the_seats_gets_its_share():
     assert sum(r.first_token_time is not None for r in quiet) == 2, "a burst past the seats gets its share"
 
 
+# a step's duration in the tests below: a fixed cost and a cost per token (a 2-core CPU's shape: a 4-row
+# decode ~37 ms, a 32-token prompt beside it ~100 ms)
+STEP_A, STEP_B = 0.028, 0.0022
+
+
+def step_time(step) -> float:
+    return STEP_A + STEP_B * step.num_tokens
+
+
+def decodes_in(step) -> int:
+    return sum(1 for it in step.items if it.num_tokens == 1 and it.request.num_computed_tokens
+               > it.request.num_prompt_tokens)
+
+
+@pytest.mark.parametrize("scheduler", ["fair", "iteration"])
+def test_fair_keeps_steps_short_while_a_light_tenant_is_around(scheduler):
+    """A noisy backlog of 32-token prompts on four seats: whenever seats free up together, their prompts
+    go in one step (128 tokens, ~310 ms here). Once a quiet tenant has been served (light), fair holds every
+    step to about twice its decodes alone, so the quiet tenant's next request, arriving mid-step, never
+    waits for a long prompt step; the cut lifts once the quiet tenant's recent service has faded away."""
+    h = Harness(scheduler=scheduler, max_num_seqs=4, max_num_batched_tokens=512)
+    noisy = []
+
+    def run(n: int) -> list:
+        steps = []
+        dt = 0.001
+        for _ in range(n):
+            while sum(not r.finished for r in noisy) < 12:  # a backlog: always more than the seats
+                noisy.append(h.add(prompt_len=32, max_tokens=8, tenant="noisy"))
+            step = h.step(dt)
+            dt = step_time(step)
+            steps.append(step)
+        return steps
+
+    before = run(60)
+    assert max(st.num_tokens for st in before) >= 64, "the backlog makes long prompt steps"
+    quiet = h.add(prompt_len=8, max_tokens=2, tenant="quiet")
+    beside = run(400)
+    assert len(quiet.output_token_ids) == 2
+    def over(st) -> float:  # how far a step went past twice its decodes alone (or 16 prefill tokens beside them)
+        alone = STEP_A + STEP_B * decodes_in(st)
+        return step_time(st) / max(2 * alone, alone + 16 * STEP_B)
+
+    # the steps after the quiet request finished (it has been light)
+    if scheduler == "iteration":
+        assert max(over(st) for st in beside[5:]) > 1.5
+        return
+    assert max(over(st) for st in beside[5:]) <= 1.02
+    done = sum(len(r.output_token_ids) == 8 for r in noisy)
+    assert done >= 100, f"the noisy tenant still makes progress ({done} requests finished)"
+    # the cut is bounded: the quiet tenant's recent service fades (~800 steps here), it leaves the light set,
+    # and prompts go whole again
+    after = run(1200)
+    assert max(over(st) for st in after[-300:]) > 1.2
+
+
 def test_fair_never_preempts_a_tenant_within_its_share():
     h = Harness(scheduler="fair", max_num_seqs=4)
     for t in ("a", "b", "a", "b"):
