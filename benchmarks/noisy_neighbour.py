@@ -10,7 +10,8 @@ is idle between phases. For each strategy in `--strategies`:
   rate, far past what the server can serve, so A's queue grows the whole time (its streams are cut
   at the end of the phase);
 the two take turns in `--rounds` rounds (alone, beside, alone, beside, ...), each `--seconds / --rounds`
-long, so that a slow spell of the shared machine does not fall on one side only. B's TTFT p50/p99 over
+long, so that a slow spell of the shared machine does not fall on one side only; in a round B sends at the
+same moments alone and beside A, and A starts `--lead` seconds ahead of B (B meets A saturating). B's TTFT p50/p99 over
 all rounds are reported for both, and their ratio (the issue's bar for fair: p99 <= 1.5x alone), with
 each round's p99s.
 Then, under the strategy named by `--fair`, both tenants backlogged (closed loop, 16 requests in flight each,
@@ -131,20 +132,24 @@ async def one(client: openai.AsyncOpenAI, tenant: str, rng: random.Random, out: 
         out.append(rec)
 
 
-async def open_loop(url: str, rates: dict[str, float], seconds: float, seed: str) -> list[dict]:
-    """Each tenant sends Poisson arrivals at its rate for `seconds`; streams still open then are cut."""
+async def open_loop(url: str, rates: dict[str, float], seconds: float, seed: str,
+                    arrivals: str | None = None) -> list[dict]:
+    """Each tenant sends Poisson arrivals at its rate for `seconds`; streams still open then are cut. The
+    arrival times come from `arrivals` (default: `seed`), the prompts from `seed`: two phases with the same
+    `arrivals` send at the same moments, with prompts of their own (no prefix-cache hits across phases)."""
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=600)
     out: list[dict] = []
     tasks: dict[str, list[asyncio.Task]] = {t: [] for t in rates}
 
     async def tenant_loop(tenant: str, rate: float) -> None:
         rng = random.Random(f"{seed}-{tenant}")
+        when = random.Random(f"{arrivals or seed}-{tenant}-arrivals")
         t0 = time.monotonic()
-        t = rng.expovariate(rate)
+        t = when.expovariate(rate)
         while t < seconds:
             await asyncio.sleep(max(0.0, t0 + t - time.monotonic()))
             tasks[tenant].append(asyncio.create_task(one(client, tenant, rng, out)))
-            t += rng.expovariate(rate)
+            t += when.expovariate(rate)
 
     await asyncio.gather(*(tenant_loop(t, r) for t, r in rates.items()))
     # the quiet tenant's last requests get up to 60 s to finish; then everything still open is cut (the
@@ -267,6 +272,8 @@ def main() -> int:
                     "beside A), in all its rounds")
     ap.add_argument("--rounds", type=int, default=4, help="alone and beside A take turns this many times, each "
                     "for --seconds / --rounds")
+    ap.add_argument("--lead", type=float, default=5.0, help="seconds A runs before B starts in each round beside "
+                    "it (A's first second is a newcomer's, not a saturating neighbour's)")
     ap.add_argument("--prompt-words", type=int, default=SIZES["prompt_words"])
     ap.add_argument("--output-tokens", type=int, default=SIZES["output_tokens"], help="the noisy tenant's output "
                     "tokens per request")
@@ -308,15 +315,21 @@ def main() -> int:
             # a run lands on both sides of the ratio (one long phase each read 127 to 271 ms for B's p99 alone
             # in three runs on the same machine, while beside A it held at 214 to 258)
             for k in range(args.rounds):
-                # prompts of their own in every phase: one seen in an earlier phase would be a prefix-cache hit
-                a_k = asyncio.run(open_loop(url, {"quiet": args.quiet_rate}, seconds, seed=f"{name}-alone-{k}"))
+                # prompts of their own in every phase (one seen in an earlier phase would be a prefix-cache
+                # hit), but B's arrival times are the same alone and beside A in a round: what differs is A
+                # alone, not the luck of the draw (one burst of five more on one side moved the p99 by itself)
+                a_k = asyncio.run(open_loop(url, {"quiet": args.quiet_rate}, seconds, seed=f"{name}-alone-{k}",
+                                            arrivals=f"round-{k}"))
                 wait_idle(url)
                 # the noisy tenant is another client, in its own process: its hundreds of streams must not slow
-                # the event loop that times the quiet tenant's first tokens
+                # the event loop that times the quiet tenant's first tokens. It starts `--lead` seconds before
+                # B, so that B meets it saturating, as the bar says, not arriving
                 with ProcessPoolExecutor(1, mp_context=mp.get_context("fork")) as pool:
-                    noisy = pool.submit(run_open_loop, url, {"noisy": args.ratio * args.quiet_rate}, seconds,
-                                        f"{name}-both-{k}", dict(SIZES))
-                    b_k = asyncio.run(open_loop(url, {"quiet": args.quiet_rate}, seconds, seed=f"{name}-both-{k}"))
+                    noisy = pool.submit(run_open_loop, url, {"noisy": args.ratio * args.quiet_rate},
+                                        seconds + args.lead, f"{name}-both-{k}", dict(SIZES))
+                    time.sleep(args.lead)
+                    b_k = asyncio.run(open_loop(url, {"quiet": args.quiet_rate}, seconds, seed=f"{name}-both-{k}",
+                                                arrivals=f"round-{k}"))
                     b_k += noisy.result()
                 wait_idle(url)
                 rounds.append({"alone_p99_ms": ttft_summary(a_k, "quiet")["ttft_p99_ms"],

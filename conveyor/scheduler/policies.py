@@ -282,18 +282,21 @@ class FairPolicy(IterationPolicy):
       at no less than the smallest counter of the tenants already waiting (or, with nobody waiting, of
       the last one to leave the queue), so idle time earns no credit to spend later in a burst;
     - light tenants: a tenant whose recent service (weighted tokens, fading by `RECENT_DECAY` per step)
-      falls under `LIGHT_FRACTION` of the active tenants' mean becomes *light*, and stays light until it
-      has more than the mean; a light tenant is never preempted for another's share. While all its
-      requests (running and waiting) fit in `max_num_seqs`, its waiting requests also come first and may
-      take seats past its share, heavy tenants giving back as many seats as it needs, down to none: it is
-      served as it would be alone, for as long as a burst that fits lasts. A quiet tenant's requests are
-      short and rare; capping them at a seat share made them queue behind each other in every burst,
-      while the noisy tenant, far above its share of service, kept its seats (and leaving the noisy
-      tenant one seat made the fourth request of a burst on four seats wait for one of the first three
-      to finish: ~650 ms, the quiet tenant's p99). Two backlogged tenants receive about equal service, so
-      neither becomes light and the seat shares hold; a backlog (more requests than seats) that comes back
-      after an idle spell is light but does not fit, so it takes no more than its share (idle time earns
-      no seats either); the gap between entering (half the mean) and leaving (the mean) keeps a tenant
+      falls under `LIGHT_FRACTION` of the active tenants' mean while all its requests (running and
+      waiting) fit in `max_num_seqs` becomes *light*, and stays light until it has more than the mean or
+      more than `BACKLOG_SEATS` x `max_num_seqs` requests. A light tenant is never preempted for another's
+      share; its waiting requests come first and may take seats past its share, heavy tenants giving back
+      as many as it needs, down to none: it is served as it would be alone, for as long as its burst
+      lasts. A quiet tenant's requests are short and rare; capping them at a seat share made them queue
+      behind each other in every burst, while the noisy tenant, far above its share of service, kept its
+      seats (leaving the noisy tenant one seat made the fourth request of a burst on four seats wait
+      ~650 ms for one of the first three; and when a burst of five made the quiet tenant lose its
+      lightness, its third seat was taken back). Two backlogged tenants receive about equal service, so
+      neither becomes light and the seat shares hold. A backlog (more requests than seats) cannot become
+      light, so one that comes back after an idle spell takes no more than its share (idle time earns no
+      seats either), and a newcomer that was light for its first requests stops being light once they pile
+      up past `BACKLOG_SEATS` x the seats (until then, for the first second or so of a flood, it is served
+      as a light tenant). The gap between entering (half the mean) and leaving (the mean) keeps a tenant
       near the line from flipping;
     - short steps beside a light tenant: while one is around, a step takes at most `GUARD_STEPS` x a step
       of its decodes alone, the others' prompts going in chunks (`guard_light`), so that a light tenant's
@@ -302,6 +305,7 @@ class FairPolicy(IterationPolicy):
 
     LIGHT_FRACTION = 0.5  # a tenant becomes light under this fraction of the active tenants' mean service
     RECENT_DECAY = 0.99  # per step: recent service fades with a half-life of ~70 steps
+    BACKLOG_SEATS = 2  # a light tenant with more requests (running and waiting) than this x max_num_seqs is not
     GUARD_STEPS = 2.0  # beside a light tenant, a step takes at most this many steps of its decodes alone
     GUARD_MIN_PREFILL = 16  # ... and carries at least this many prefill tokens (prompts never stall)
 
@@ -318,7 +322,7 @@ class FairPolicy(IterationPolicy):
         self.last_left = 0.0  # counter of the last tenant whose queue emptied
         self.recent: dict[str, float] = {}  # weighted service, fading by RECENT_DECAY per step
         self.light: set[str] = set()  # tenants light now (see the class docstring)
-        self.light_fits: set[str] = set()  # ... whose requests also fit beside the others: served first
+        self.light_now: set[str] = set()  # ... that have requests now: served first
         self.timer = StepTimer()  # how long steps take, for the light tenant's guard (`guard_light`)
 
     def weight(self, tenant: str) -> float:
@@ -352,7 +356,7 @@ class FairPolicy(IterationPolicy):
             # (a tenant just lifted to another's counter) go to the one holding fewer seats
             # light tenants (see the class docstring) come first: far under the others' service, they would
             # win on a counter of recent service, and a seat taken back for one must not go to another
-            t = min(queues, key=lambda t: (t not in self.light_fits, seats.get(t, 0) + 1 > share[t], virtual[t],
+            t = min(queues, key=lambda t: (t not in self.light_now, seats.get(t, 0) + 1 > share[t], virtual[t],
                                            seats.get(t, 0), t))
             r = queues[t].pop(0)
             out.append(r)
@@ -369,34 +373,35 @@ class FairPolicy(IterationPolicy):
         return {t: s.config.max_num_seqs * self.weight(t) / total for t in active}
 
     def update_light(self, s: Scheduler) -> None:
-        """An active tenant becomes light under LIGHT_FRACTION of the active tenants' mean recent service
-        (strictly: with nobody served yet, nobody is) and stops being light above the mean. Tenants not
-        active now keep their state: a quiet tenant is idle between its requests."""
+        """An active tenant whose requests fit in the seats becomes light under LIGHT_FRACTION of the active
+        tenants' mean recent service (strictly: with nobody served yet, nobody is) and stops being light above
+        the mean or past BACKLOG_SEATS x the seats. Tenants not active now keep their state: a quiet tenant is
+        idle between its requests."""
         demand: dict[str, int] = {}
         for r in (*s.running, *s.waiting):
             demand[r.tenant_id] = demand.get(r.tenant_id, 0) + 1
-        self.light_fits = set()
+        self.light_now = set()
         if len(demand) < 2:
             self.light -= demand.keys()
             return
         mean = sum(self.recent.get(t, 0.0) for t in demand) / len(demand)
         for t in demand:
             mine = self.recent.get(t, 0.0)
-            if mine < self.LIGHT_FRACTION * mean:
-                self.light.add(t)
-            elif mine > mean:
+            if mine > mean or demand[t] > self.BACKLOG_SEATS * s.config.max_num_seqs:
                 self.light.discard(t)
-        self.light_fits = {t for t in self.light & demand.keys() if demand[t] <= s.config.max_num_seqs}
+            elif mine < self.LIGHT_FRACTION * mean and demand[t] <= s.config.max_num_seqs:
+                self.light.add(t)
+        self.light_now = self.light & demand.keys()
 
     def may_take_seat(self, t: str, seats: dict[str, int], share: dict[str, float]) -> bool:
-        return t in self.light_fits or seats.get(t, 0) + 1 <= share[t]
+        return t in self.light_now or seats.get(t, 0) + 1 <= share[t]
 
     def preempt_for_share(self, s: Scheduler, step: Step) -> None:
         """Seats full and a tenant below its share (or a light one) waiting: take a seat back from the tenant
         furthest above its share (the newest of its requests, by recompute), so that a quiet tenant's request
         starts at once beside a noisy one instead of waiting for one of the noisy tenant's requests to
         finish. A tenant at or below its share is never preempted for another, nor is a light tenant, so
-        this cannot churn; for a light tenant whose requests fit, heavy ones give seats down to none."""
+        this cannot churn; for a light tenant, heavy ones give seats down to none."""
         if not s.waiting or len(s.running) < s.config.max_num_seqs:
             return
         share = self.shares(s)
@@ -407,8 +412,8 @@ class FairPolicy(IterationPolicy):
             t = w.tenant_id
             if not self.may_take_seat(t, seats, share):
                 continue
-            # a heavy tenant gives a seat down to its share; for a light tenant that fits, down to none
-            keep_share = t not in self.light_fits
+            # a heavy tenant gives a seat down to its share; for a light tenant, down to none
+            keep_share = t not in self.light_now
             over = [u for u in seats if u != t and u not in self.light
                     and seats[u] - 1 >= (share[u] if keep_share else 0)]
             if not over or sum(seats.values()) < s.config.max_num_seqs:
@@ -448,7 +453,7 @@ class FairPolicy(IterationPolicy):
         for r in first:
             if not step.has_room() or not s.admit(step, r, chunk=True):
                 break
-            light_prompt |= r.tenant_id in self.light_fits
+            light_prompt |= r.tenant_id in self.light_now
         if light_prompt:
             # a light tenant's prompt goes in a step of its own prompts and the decodes: no other tenant's
             # prefill chunk (a long prompt, or a preempted request's recompute) makes its first token wait
@@ -486,7 +491,6 @@ class FairPolicy(IterationPolicy):
         self.timer.planned(s, step)
         # fade; a tenant whose recent service has faded to nothing is dropped (tenants come and go by the thousand)
         self.recent = {t: v * self.RECENT_DECAY for t, v in self.recent.items() if v > 1e-3}
-        self.light &= self.recent.keys()  # (one back with nothing recent is judged afresh: light, 0 < half the mean)
         for it in step.items:  # charge what this step serves
             r = it.request
             fed = it.num_tokens - it.num_draft
@@ -495,6 +499,9 @@ class FairPolicy(IterationPolicy):
             t = r.tenant_id
             self.counters[t] = self.counters.get(t, 0.0) + cost / self.weight(t)
             self.recent[t] = self.recent.get(t, 0.0) + cost / self.weight(t)
+        # a light tenant gone quiet for good leaves the light set with its recent service (one back later is
+        # judged afresh); one with requests stays, served in this step or not
+        self.light &= self.recent.keys() | self.light_now
 
 
 class StepCost:

@@ -264,6 +264,32 @@ def test_fair_keeps_steps_short_while_a_light_tenant_is_around(scheduler):
     assert max(over(st) for st in after[-300:]) > 1.2
 
 
+def test_fair_light_tenant_keeps_its_seats_through_a_burst_past_them():
+    """A light quiet tenant holding three seats beside a noisy backlog gets two more requests (five in all,
+    past the four seats): it stays light, its running requests keep their seats (none taken back) and the
+    fourth takes the noisy tenant's last seat, as it would run alone. Past twice the seats it is a backlog:
+    no longer light, it is taken back to its share."""
+    h = Harness(scheduler="fair", max_num_seqs=4)
+    noisy = [h.add(prompt_len=8, max_tokens=60, tenant="noisy") for _ in range(40)]
+    for _ in range(40):
+        h.step()
+    quiet = [h.add(prompt_len=8, max_tokens=30, tenant="quiet") for _ in range(3)]
+    h.step()
+    assert all(r.status.value == "running" for r in quiet)
+    pre = h.sched.num_preemptions
+    quiet += [h.add(prompt_len=8, max_tokens=30, tenant="quiet") for _ in range(2)]
+    h.step()
+    assert sum(r.status.value == "running" for r in quiet) == 4 and all(quiet[i].status.value == "running"
+                                                                        for i in range(3))
+    assert h.sched.num_preemptions == pre + 1, "the noisy tenant's last seat, and nothing of the quiet tenant's"
+    quiet += [h.add(prompt_len=8, max_tokens=30, tenant="quiet") for _ in range(4)]  # nine: a backlog
+    for _ in range(3):
+        h.step()
+    assert sum(r.status.value == "running" for r in quiet) == 2, "a backlog gets its share"
+    h.run()
+    assert all(len(r.output_token_ids) == 60 for r in noisy)
+
+
 def test_fair_never_preempts_a_tenant_within_its_share():
     h = Harness(scheduler="fair", max_num_seqs=4)
     for t in ("a", "b", "a", "b"):
