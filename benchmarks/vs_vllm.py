@@ -120,8 +120,8 @@ def model_dir(name: str, peers: Path) -> Path:
 class Servers:
     """Starts one server at a time on a fresh port (llama-server does not reuse a port in TIME_WAIT)."""
 
-    def __init__(self, args, log) -> None:
-        self.args, self.log, self.port = args, log, 8200
+    def __init__(self, args, log, work: Path) -> None:
+        self.args, self.log, self.port, self.work = args, log, 8200, work
 
     def start(self, server: str, model: str, variant: str) -> tuple[subprocess.Popen, str]:
         peers = Path(self.args.peers)
@@ -146,15 +146,16 @@ class Servers:
         return proc, f"http://127.0.0.1:{port}"
 
 
-def vllm_client(url: str, model: str, load: str, mode: str, out: Path, args, log) -> dict:
-    """One run of vLLM's `bench serve` against `url`; its saved result JSON."""
+def vllm_client(url: str, model: str, load: str, mode: str, out: Path, args, log, seed: int | None = None) -> dict:
+    """One run of vLLM's `bench serve` against `url`; its saved result JSON. `seed`: the prompts' (default: one
+    per mode)."""
     peers = Path(args.peers)
     cmd = [str(peers / "vllmvenv/bin/python"), str(SHIM), "--backend", "openai", "--base-url", url,
            "--endpoint", "/v1/completions", "--model", model, "--tokenizer", str(peers / "smollm2-hf"),
            "--dataset-name", "random", *LOADS[load][0], "--ignore-eos", *MODES[mode],
            # other prompts in each mode (the same for every server): with one seed, the modes after the first
            # found their prompts in the prefix cache (TTFT 542 -> 271 ms on conveyor)
-           "--seed", str(list(MODES).index(mode)),
+           "--seed", str(list(MODES).index(mode) if seed is None else seed),
            "--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
            "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
     print(f"    vllm client, {load}, {mode}", flush=True)
@@ -233,14 +234,70 @@ def plan(args) -> list[tuple[str, str, str, list[str], list[str]]]:
     runs = []
     modes = args.modes.split(",")
     loads = args.loads.split(",")
-    for model in args.models.split(","):
+    for model in filter(None, args.models.split(",")):  # --models "": only the --llamacpp rounds
         for server in ["conveyor"] + ([] if args.skip_vllm else ["vllm"]):
             runs.append((model, server, "bf16", loads, modes))
-    if args.llamacpp:
+    if args.llamacpp and args.rounds <= 1:
         runs += [("smollm2", "conveyor", "int4", ["single stream"], ["greedy"]),
                  ("smollm2", "llamacpp", "f16", ["single stream"], ["greedy"]),
                  ("smollm2", "llamacpp", "q4_1", ["single stream"], ["greedy"])]
     return runs
+
+
+ONE_STREAM = [("conveyor", "bf16", "greedy"), ("conveyor", "bf16", "top_p"), ("conveyor", "int4", "greedy"),
+              ("llamacpp", "f16", "greedy"), ("llamacpp", "q4_1", "greedy")]
+
+
+def one_stream_rounds(args, servers: Servers, log, results: dict) -> None:
+    """`--llamacpp --rounds N`: conveyor (bf16, int4) and llama.cpp (F16, Q4_1) started once each, one after
+    the other, and kept up (idle while another is driven), then N rounds of one stream on each, the order
+    rotated every round and new prompts every round (the same for every server within a round). Why: on a
+    shared VM one stream's TPOT drifts by 30% and more over minutes, so servers measured one after the other
+    are compared across that drift; within a round they are minutes apart at most, and the per-round ratios
+    show whether a difference survives it."""
+    procs = {}
+    try:
+        for server, variant in dict.fromkeys((s, v) for s, v, _ in ONE_STREAM):
+            proc, url = servers.start(server, "smollm2", variant)
+            procs[server, variant] = (proc, url)
+            wait_ready(url, proc, 900)
+        rows = []
+        for r in range(args.rounds):
+            k = r % len(ONE_STREAM)
+            for server, variant, mode in ONE_STREAM[k:] + ONE_STREAM[:k]:
+                out = servers.work / f"rounds_{server}_{variant}_{mode}_{r + 1}.json"
+                res = vllm_client(procs[server, variant][1], "smollm2", "single stream", mode, out, args, log,
+                                  seed=100 + r)
+                rows.append({"round": r + 1, "server": server, "variant": variant, "mode": mode, **res})
+                results["one_stream_rounds"] = rows
+                args.out.write_text(json.dumps(results, indent=1))
+    finally:
+        for proc, _ in procs.values():
+            stop(proc)
+
+
+def report_rounds(rows: list[dict]) -> None:
+    import statistics
+    rounds = sorted({r["round"] for r in rows})
+    by = {(r["server"], r["variant"], r["mode"], r["round"]): r for r in rows}
+    print(f"\none stream, {len(rounds)} interleaved rounds (vLLM's client): TPOT p50 ms per round, and the median")
+    print("\n| server | sampling | " + " | ".join(f"round {n}" for n in rounds) + " | median | output tok/s (median) |")
+    print("|---|---|" + "---|" * (len(rounds) + 2))
+    for server, variant, mode in ONE_STREAM:
+        got = [by.get((server, variant, mode, n)) for n in rounds]
+        tpots = [g["tpot_p50_ms"] for g in got if g]
+        if not tpots:
+            continue
+        label = server if variant == "bf16" else f"{server} {variant}"
+        print(f"| {label} | {mode} | " + " | ".join(f"{g['tpot_p50_ms']:.1f}" if g else "-" for g in got) +
+              f" | **{statistics.median(tpots):.1f}** | "
+              f"{statistics.median(g['output_throughput'] for g in got if g):.1f} |")
+    for (a, b) in ((("conveyor", "bf16"), ("llamacpp", "f16")), (("conveyor", "int4"), ("llamacpp", "q4_1"))):
+        ratios = [by[(*a, "greedy", n)]["tpot_p50_ms"] / by[(*b, "greedy", n)]["tpot_p50_ms"] for n in rounds
+                  if (*a, "greedy", n) in by and (*b, "greedy", n) in by]
+        if ratios:
+            print(f"TPOT {a[0]} {a[1]} / {b[0]} {b[1]}, per round: " + ", ".join(f"{x:.2f}" for x in ratios) +
+                  f" (below 1 in {sum(x < 1 for x in ratios)} of {len(ratios)})")
 
 
 def report(results: dict) -> None:
@@ -260,6 +317,8 @@ def report(results: dict) -> None:
             label += f" (--dtype {results['vllm_dtype']})"
         print(f"| {model} | {load} | {mode} | {client} | {label} | {r['output_throughput']:.1f} | "
               f"{r['ttft_p50_ms']:.0f} | {r['tpot_p50_ms']:.1f} | {ratio} |")
+    if results.get("one_stream_rounds"):
+        report_rounds(results["one_stream_rounds"])
 
 
 def main() -> int:
@@ -274,6 +333,8 @@ def main() -> int:
                     "back to torch's emulated matmul (a CPU without AVX-512: ~12 tok/s at 64 clients on a Zen 3), "
                     "so that it is measured at its best on this CPU; the weights are the same bf16 values")
     ap.add_argument("--llamacpp", action="store_true", help="one stream of llama.cpp (F16, Q4_1) vs conveyor")
+    ap.add_argument("--rounds", type=int, default=1, help="with --llamacpp: its one-stream comparison in this many "
+                    "interleaved rounds, every server up at once (see one_stream_rounds)")
     ap.add_argument("--our-client", action="store_true", help="also drive every server with conveyor bench run")
     ap.add_argument("--conveyor-args", default="", help="extra `conveyor serve` flags")
     ap.add_argument("--skip-limits", action="store_true", help="do not measure the GEMM rate and bandwidth")
@@ -296,7 +357,7 @@ def main() -> int:
         rates = gemm_rates(cfg)
         results["gemm_bf16_flops_per_s"] = {str(k): v for k, v in rates.items()}
         results["read_bandwidth_bytes_per_s"] = read_bandwidth()
-    servers = Servers(args, log)
+    servers = Servers(args, log, work)
     for model, server, variant, loads, modes in plan(args):
         proc, url = servers.start(server, model, variant)
         try:
@@ -313,6 +374,8 @@ def main() -> int:
                     args.out.write_text(json.dumps(results, indent=1))
         finally:
             stop(proc)
+    if args.llamacpp and args.rounds > 1:
+        one_stream_rounds(args, servers, log, results)
     report(results)
     conv = results["runs"].get("smollm2|conveyor|bf16|64 clients|greedy|vllm")
     if conv and "gemm_bf16_flops_per_s" in results:

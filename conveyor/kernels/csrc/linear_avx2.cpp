@@ -151,26 +151,25 @@ void linear_avx2(const uint16_t* xd, const uint16_t* wd, uint16_t* od, int64_t m
     }
   });
   const uint32_t* w = reinterpret_cast<const uint32_t*>(wd);
-  // one chunk per thread of torch's pool (`--threads`): each owns an equal share of the 16-column blocks
+  if (m < kWidenFrom) {  // streaming the weights: 128-column groups (K x 256 B, in L2 across the row groups)
+    over_blocks_and_rows(nblk, m, 8, kGroup, [&](int64_t b, int64_t e, int64_t r, int rr) {
+      group(rr, xp.data() + (r / kGroup) * k * kGroup, kp, w, b, e - b, od + r * n, n);
+    });
+    return;
+  }
+  // many rows: one equal share of the 16-column blocks per thread of torch's pool (`--threads`), each block
+  // widened once into the thread's buffer, then every row group runs on it from L2
   const int64_t nt = get_num_threads();
   parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t lo = nblk * t / nt, hi = nblk * (t + 1) / nt;
-      if (m >= kWidenFrom) {  // widen each block once, then every row group runs on it from L2
-        std::vector<float> wf(static_cast<size_t>(k * 16));
-        for (int64_t b = lo; b < hi; ++b) {
-          widen(w + b * kp * 16, kp, wf.data());
-          for (int64_t r = 0; r < m; r += kGroup)
-            rows_f32(static_cast<int>(std::min<int64_t>(kGroup, m - r)), xp.data() + (r / kGroup) * k * kGroup, k,
-                     wf.data(), od + r * n + b * 16, n);
-        }
-        continue;
-      }
-      constexpr int64_t kColGroup = 8;  // 128 columns: their weights (K x 256 B) stay in L2 across the row groups
-      for (int64_t b = lo; b < hi; b += kColGroup)
+      std::vector<float> wf(static_cast<size_t>(k * 16));
+      for (int64_t b = lo; b < hi; ++b) {
+        widen(w + b * kp * 16, kp, wf.data());
         for (int64_t r = 0; r < m; r += kGroup)
-          group(static_cast<int>(std::min<int64_t>(kGroup, m - r)), xp.data() + (r / kGroup) * k * kGroup, kp, w, b,
-                std::min(kColGroup, hi - b), od + r * n, n);
+          rows_f32(static_cast<int>(std::min<int64_t>(kGroup, m - r)), xp.data() + (r / kGroup) * k * kGroup, k,
+                   wf.data(), od + r * n + b * 16, n);
+      }
     }
   });
 }

@@ -87,23 +87,19 @@ void rows(int r, const uint32_t* x, int64_t kp, const uint16_t* w, int64_t b0, i
 
 // out [M, N] = x [M, K] @ W^T, x and W in bf16 (W packed by linear_bf16_pack), fp32 accumulation; the
 // caller checks the shapes. x: [M, K/2] bf16 pairs; packed: [N/16][K/2][16][2]; out: [M, N].
+//
+// Work items are (row chunk, 64-column group), in row chunk order (a chunk's activations stay in L2 while its
+// columns pass), handed to the threads of torch's pool by parallel_items (kernel_api.h says why not equal
+// static shares). Which thread computes an output never changes its bits: the chain over K is the same.
 void linear_bf16(const uint32_t* xd, const uint16_t* wd, uint16_t* od, int64_t m, int64_t k, int64_t nblk) {
   const int64_t n = nblk * 16, kp = k / 2;
-  // one chunk per thread of torch's pool (`--threads`): each owns an equal share of the 16-column blocks
-  const int64_t nt = get_num_threads();
-  parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t lo = nblk * t / nt, hi = nblk * (t + 1) / nt;
-      for (int64_t m0 = 0; m0 < m; m0 += kRowChunk) {
-        const int64_t m1 = std::min(m, m0 + kRowChunk);
-        for (int64_t b = lo; b < hi; b += kColBlocks) {
-          const int nb = static_cast<int>(std::min<int64_t>(kColBlocks, hi - b));
-          for (int64_t r = m0; r < m1; r += kRowsMax) {
-            const int rr = static_cast<int>(std::min<int64_t>(kRowsMax, m1 - r));
-            rows(rr, xd + r * kp, kp, wd, b, nb, od + r * n, n);
-          }
-        }
-      }
+  const int64_t groups = (nblk + kColBlocks - 1) / kColBlocks, chunks = (m + kRowChunk - 1) / kRowChunk;
+  parallel_items(groups * chunks, [&](int64_t i) {
+    const int64_t m0 = (i / groups) * kRowChunk, m1 = std::min(m, m0 + kRowChunk), b = (i % groups) * kColBlocks;
+    const int nb = static_cast<int>(std::min<int64_t>(kColBlocks, nblk - b));
+    for (int64_t r = m0; r < m1; r += kRowsMax) {
+      const int rr = static_cast<int>(std::min<int64_t>(kRowsMax, m1 - r));
+      rows(rr, xd + r * kp, kp, wd, b, nb, od + r * n, n);
     }
   });
 }

@@ -29,19 +29,15 @@ inline void rows_to_fp32(DType dt, const void* x, int64_t m, int64_t k, float* o
   });
 }
 
-// Each thread of the pool takes an equal share of the `nblk` column blocks; within it, `col_blocks` blocks at a
-// time (their weights stay in L2 across the row passes), the rows in passes of `rows`:
+// Groups of `col_blocks` column blocks (their weights stay in L2 across the row passes) handed to the threads
+// of the pool by parallel_items (kernel_api.h), the rows of each in passes of `rows`:
 // f(first block, end block, first row, rows in this pass).
 template <typename F>
 inline void over_blocks_and_rows(int64_t nblk, int64_t m, int64_t col_blocks, int rows, const F& f) {
-  const int64_t nt = get_num_threads();
-  parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t lo = nblk * t / nt, hi = nblk * (t + 1) / nt;
-      for (int64_t b = lo; b < hi; b += col_blocks)
-        for (int64_t r = 0; r < m; r += rows)
-          f(b, std::min(hi, b + col_blocks), r, static_cast<int>(std::min<int64_t>(rows, m - r)));
-    }
+  parallel_items((nblk + col_blocks - 1) / col_blocks, [&](int64_t i) {
+    const int64_t b = i * col_blocks;
+    for (int64_t r = 0; r < m; r += rows)
+      f(b, std::min(nblk, b + col_blocks), r, static_cast<int>(std::min<int64_t>(rows, m - r)));
   });
 }
 
