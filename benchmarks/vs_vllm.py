@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -277,7 +278,6 @@ def one_stream_rounds(args, servers: Servers, log, results: dict) -> None:
 
 
 def report_rounds(rows: list[dict]) -> None:
-    import statistics
     rounds = sorted({r["round"] for r in rows})
     by = {(r["server"], r["variant"], r["mode"], r["round"]): r for r in rows}
     print(f"\none stream, {len(rounds)} interleaved rounds (vLLM's client): TPOT p50 ms per round, and the median")

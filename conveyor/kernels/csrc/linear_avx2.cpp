@@ -151,8 +151,9 @@ void linear_avx2(const uint16_t* xd, const uint16_t* wd, uint16_t* od, int64_t m
     }
   });
   const uint32_t* w = reinterpret_cast<const uint32_t*>(wd);
-  if (m < kWidenFrom) {  // streaming the weights: 128-column groups (K x 256 B, in L2 across the row groups)
-    over_blocks_and_rows(nblk, m, 8, kGroup, [&](int64_t b, int64_t e, int64_t r, int rr) {
+  if (m < kWidenFrom) {  // streaming the weights
+    constexpr int64_t kColGroup = 8;  // 128 columns: their weights (K x 256 B) stay in L2 across the row groups
+    over_blocks_and_rows(nblk, m, kColGroup, kGroup, [&](int64_t b, int64_t e, int64_t r, int rr) {
       group(rr, xp.data() + (r / kGroup) * k * kGroup, kp, w, b, e - b, od + r * n, n);
     });
     return;
