@@ -15,6 +15,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <string>
@@ -349,62 +350,157 @@ at::Tensor linear_int8(at::Tensor x, at::Tensor q, at::Tensor scale) {
 }
 
 // A Llama body's decoder layers in one call: the ops of LlamaModel's Python path (llama.py: DecoderLayer,
-// Attention, MLP with the compiled kernels), the same kernels in the same order on the same tensors, so the
+// Attention, MLP with the compiled kernels), the same kernels in the same order on the same values, so the
 // bits are the same. Why: that path makes ~20 Python-level calls per layer (module calls, views, splits, one
-// op each), about 4 ms of a 17 ms one-stream decode step of SmolLM2 on a 2-core Zen 3; here they cost ATen's
-// C++ overhead only. weights: per layer (input norm, qkv, o, post-attention norm, gate_up, down), the linears
-// all packed for `linear` ("linear_bf16", "linear_amx" or "linear_avx2": one tensor each; "linear_int4" or
-// "linear_int8": two, q and the scales), no biases. Returns (x, residual) as the last layer leaves them (the
-// final norm is Python's).
+// op each), about 4 ms of a 17 ms one-stream decode step of SmolLM2 on a 2-core Zen 3. Why raw pointers into
+// one workspace rather than the ops above: those still cost ~20 ATen calls a layer (checks, at::empty, views),
+// ~0.6 ms of a 14 ms one-stream step on a Zen 4, all of it serial; here a layer is the kernels' calls alone.
+// weights: per layer (input norm, qkv, o, post-attention norm, gate_up, down), the linears all packed for
+// `linear` ("linear_bf16", "linear_amx" or "linear_avx2": one tensor each; "linear_int4" or "linear_int8":
+// two, q and the scales), no biases. Returns (x, residual) as the last layer leaves them (the final norm is
+// Python's); the residual is `residual_in`, or x, updated in place.
 std::vector<at::Tensor> decoder_layers(at::Tensor x, c10::optional<at::Tensor> residual_in, at::Tensor cos,
                                        at::Tensor sin, const std::vector<at::Tensor>& weights,
                                        const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
                                        at::Tensor slots, at::Tensor block_tables, at::Tensor cu_q, at::Tensor ctx_lens,
                                        int64_t heads, int64_t kv_heads, double eps, double scale,
                                        const std::string& linear) {
+  const Table& tb = table();
   const bool int4 = linear == "linear_int4", int8 = linear == "linear_int8";
-  at::Tensor (*lin)(at::Tensor, at::Tensor) = linear == "linear_avx2" ? &linear_avx2
-                                              : linear == "linear_amx" ? &linear_amx
-                                              : linear == "linear_bf16" ? &linear_bf16 : nullptr;
-  TORCH_CHECK(lin != nullptr || int4 || int8, "decoder_layers: unknown linear '", linear, "'");
+  const bool bf16 = linear == "linear_bf16", amx = linear == "linear_amx", avx2 = linear == "linear_avx2";
+  const bool dense = bf16 || amx || avx2;
+  TORCH_CHECK((bf16 && tb.linear_bf16) || (amx && tb.linear_amx) || (avx2 && tb.linear_avx2) ||
+                  (int4 && tb.linear_int4) || (int8 && tb.linear_int8),
+              "decoder_layers: linear '", linear, "' is unknown or not in the variant '", tb.name, "'");
+  const int64_t k_multiple = int4 || amx ? 32 : 2;  // what each kernel needs of K
   // tensors per linear (s), per layer (per)
   const size_t layers = k_caches.size(), s = int4 || int8 ? 2 : 1, per = 2 + 4 * s;
-  TORCH_CHECK(weights.size() == per * layers && v_caches.size() == layers && layers > 0 && x.dim() == 2,
-              "decoder_layers: ", per, " weights and one (K, V) cache per layer, x [T, hidden]");
-  auto apply = [&](const at::Tensor& in, const at::Tensor* w) {
-    return int4 ? linear_int4(in, w[0], w[1]) : int8 ? linear_int8(in, w[0], w[1]) : lin(in, w[0]);
+  TORCH_CHECK(weights.size() == per * layers && v_caches.size() == layers && layers > 0 && x.dim() == 2 &&
+                  x.is_contiguous(),
+              "decoder_layers: ", per, " weights and one (K, V) cache per layer, x [T, hidden] contiguous");
+  const int64_t t = x.size(0), hidden = x.size(1), d = k_caches[0].size(2);
+  const int64_t qw = heads * d, kvw = kv_heads * d, qkv_w = qw + 2 * kvw;
+  const DType dt = float_dtype(x, "decoder_layers");
+  TORCH_CHECK(!dense || dt == DType::BF16, "decoder_layers: bf16 activations for ", linear);
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
+                  sin.scalar_type() == at::kFloat && cos.numel() >= t * d / 2 && sin.numel() >= t * d / 2,
+              "decoder_layers: cos/sin fp32 [T, D/2]");
+  at::Tensor residual = residual_in.has_value() ? *residual_in : x;
+  TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
+              "decoder_layers: residual like x");
+  // each linear's output width (qkv, o, gate_up, down) and input width; the weights' shapes must agree
+  int64_t inter2 = 0;
+  for (size_t i = 0; i < layers; ++i) {
+    const at::Tensor* w = &weights[per * i];
+    const at::Tensor* lw[4] = {w + 1, w + 1 + s, w + 2 + 2 * s, w + 2 + 3 * s};
+    int64_t out_w[4], in_w[4];
+    for (int j = 0; j < 4; ++j) {
+      const at::Tensor& q = lw[j][0];
+      TORCH_CHECK(q.is_contiguous(), "decoder_layers: layer ", i, "'s weights must be contiguous");
+      if (int4) {
+        TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 3 && lw[j][1].scalar_type() == at::kFloat &&
+                        lw[j][1].is_contiguous() && lw[j][1].dim() == 4 && lw[j][1].size(1) * 32 == q.size(1) * 2,
+                    "decoder_layers: int4 weights as quantization.py packs them");
+        out_w[j] = q.size(0) * 16, in_w[j] = q.size(1) * 2;
+      } else if (int8) {
+        TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 3 && lw[j][1].scalar_type() == at::kFloat &&
+                        lw[j][1].is_contiguous() && lw[j][1].numel() == q.size(0) * 16,
+                    "decoder_layers: int8 weights as quantization.py packs them");
+        out_w[j] = q.size(0) * 16, in_w[j] = q.size(1);
+      } else {
+        TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.dim() == 4 && q.size(2) == 16 && q.size(3) == 2,
+                    "decoder_layers: bf16 weights from linear_bf16_pack");
+        out_w[j] = q.size(0) * 16, in_w[j] = q.size(1) * 2;
+      }
+      TORCH_CHECK(in_w[j] % k_multiple == 0, "decoder_layers: ", linear, " needs K a multiple of ", k_multiple);
+    }
+    if (i == 0) inter2 = out_w[2];
+    TORCH_CHECK(out_w[0] == qkv_w && in_w[0] == hidden && out_w[1] == hidden && in_w[1] == qw &&
+                    out_w[2] == inter2 && in_w[2] == hidden && out_w[3] == hidden && in_w[3] * 2 == inter2,
+                "decoder_layers: layer ", i, "'s linears do not fit hidden ", hidden, ", heads ", heads, "x", d);
+    TORCH_CHECK(w[0].is_contiguous() && w[0].numel() == hidden && w[0].scalar_type() == x.scalar_type() &&
+                    w[1 + 2 * s].is_contiguous() && w[1 + 2 * s].numel() == hidden &&
+                    w[1 + 2 * s].scalar_type() == x.scalar_type(),
+                "decoder_layers: layer ", i, "'s norm weights");
+    TORCH_CHECK(k_caches[i].scalar_type() == x.scalar_type() && v_caches[i].scalar_type() == x.scalar_type() &&
+                    k_caches[i].is_contiguous() && v_caches[i].is_contiguous() && k_caches[i].dim() == 4 &&
+                    k_caches[i].size(1) == kv_heads && k_caches[i].size(2) == d && v_caches[i].size(3) == d &&
+                    v_caches[i].size(0) == k_caches[i].size(0),
+                "decoder_layers: layer ", i, "'s K/V cache [blocks, Hkv, D, block] / [blocks, Hkv, block, D] in x's dtype");
+  }
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == t,
+              "decoder_layers: slots int64 [T]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() && block_tables.dim() == 2 &&
+                  cu_q.scalar_type() == at::kInt && cu_q.is_contiguous() && ctx_lens.scalar_type() == at::kInt &&
+                  ctx_lens.is_contiguous() && cu_q.numel() == ctx_lens.numel() + 1,
+              "decoder_layers: int32 block tables, cu_q, ctx_lens");
+  TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= MAX_ROWS &&
+                  std::find(std::begin(HEAD_DIMS), std::end(HEAD_DIMS), d) != std::end(HEAD_DIMS),
+              "decoder_layers: GQA group or head_dim ", d, " not compiled in");
+  at::Tensor out = at::empty_like(x);
+  if (t == 0) return {out, residual};
+  // one workspace: the norm's output, qkv, q, attention's output, gate_up, its activation
+  const int64_t inter = inter2 / 2, es = x.element_size();
+  const int64_t sizes[6] = {t * hidden, t * qkv_w, t * qw, t * qw, t * inter2, t * inter};
+  int64_t total = 0;
+  for (int64_t n : sizes) total += (n + 31) / 32 * 32;  // 64-byte aligned pieces
+  at::Tensor ws = at::empty({total}, x.options());
+  char* p = static_cast<char*>(ws.data_ptr());
+  void* buf[6];
+  for (int j = 0; j < 6; ++j) buf[j] = p, p += (sizes[j] + 31) / 32 * 32 * es;
+  void *xn = buf[0], *qkv = buf[1], *qb = buf[2], *ob = buf[3], *gu = buf[4], *act = buf[5];
+  auto apply = [&](const void* in, const at::Tensor* w, void* o, int64_t k, int64_t n) {
+    if (int4)
+      tb.linear_int4(dt, in, w[0].data_ptr<uint8_t>(), w[1].data_ptr<float>(), o, t, k, n);
+    else if (int8)
+      tb.linear_int8(dt, in, w[0].data_ptr<int8_t>(), w[1].data_ptr<float>(), o, t, k, n);
+    else if (bf16)
+      tb.linear_bf16(static_cast<const uint32_t*>(in), static_cast<const uint16_t*>(w[0].data_ptr()),
+                     static_cast<uint16_t*>(o), t, k, n / 16);
+    else
+      (amx ? tb.linear_amx : tb.linear_avx2)(static_cast<const uint16_t*>(in),
+                                             static_cast<const uint16_t*>(w[0].data_ptr()),
+                                             static_cast<uint16_t*>(o), t, k, n / 16);
   };
-  const int64_t t = x.size(0), d = k_caches[0].size(2);
-  at::Tensor residual;
-  bool has_residual = residual_in.has_value();
-  if (has_residual) residual = *residual_in;
+  char* xp = static_cast<char*>(out.data_ptr());
+  char* rp = static_cast<char*>(residual.data_ptr());
+  const bool first_is_embedding = !residual_in.has_value();
+  conveyor::WriteKVArgs kv{};
+  kv.slots = slots.data_ptr<int64_t>();
+  kv.n = t, kv.kv_heads = kv_heads, kv.head_dim = d, kv.k_stride0 = qkv_w, kv.k_stride1 = d, kv.v_stride0 = qkv_w,
+  kv.v_stride1 = d, kv.dtype = dt, kv.cache_dtype = dt;
+  conveyor::AttentionArgs attn{};
+  attn.q = qb, attn.out = ob, attn.block_tables = block_tables.data_ptr<int32_t>(), attn.cu_q = cu_q.data_ptr<int32_t>();
+  attn.ctx_lens = ctx_lens.data_ptr<int32_t>(), attn.num_seqs = ctx_lens.size(0), attn.heads = heads;
+  attn.kv_heads = kv_heads, attn.head_dim = d, attn.table_stride = block_tables.size(1), attn.q_stride_t = qw;
+  attn.scale = static_cast<float>(scale), attn.dtype = dt, attn.cache_dtype = dt;
   for (size_t i = 0; i < layers; ++i) {
     // input norm, qkv, o, post-attention norm, gate_up, down
     const at::Tensor* w = &weights[per * i];
-    const at::Tensor *qkv_w = w + 1, *o_w = w + 1 + s, *post = w + 1 + 2 * s, *gu_w = w + 2 + 2 * s,
-                     *down_w = w + 2 + 3 * s;
-    if (has_residual) {
-      x = rms_norm(x, residual, w[0], eps);
-    } else {  // the first layer: the embeddings are the residual stream
-      residual = x;
-      x = rms_norm(x, c10::nullopt, w[0], eps);
-      has_residual = true;
-    }
-    at::Tensor qkv = apply(x, qkv_w);
-    at::Tensor q = qkv.narrow(1, 0, heads * d).view({t, heads, d});
-    at::Tensor k = qkv.narrow(1, heads * d, kv_heads * d).view({t, kv_heads, d});
-    at::Tensor v = qkv.narrow(1, (heads + kv_heads) * d, kv_heads * d).view({t, kv_heads, d});
-    rope_(q, cos, sin);
-    rope_(k, cos, sin);
-    write_kv_cache(k, v, k_caches[i], v_caches[i], slots, c10::nullopt, c10::nullopt);
-    q = q.contiguous();
-    at::Tensor o = at::empty_like(q);
-    paged_attention(o, q, k_caches[i], v_caches[i], block_tables, cu_q, ctx_lens, scale, c10::nullopt, c10::nullopt);
-    x = apply(o.view({t, heads * d}), o_w);
-    x = rms_norm(x, residual, *post, eps);
-    x = apply(silu_and_mul(apply(x, gu_w)), down_w);
+    // the first layer: the embeddings are the residual stream, normed alone; then residual += x, norm
+    if (i == 0 && first_is_embedding)
+      tb.rms_norm(dt, rp, nullptr, w[0].data_ptr(), t, hidden, static_cast<float>(eps), xn);
+    else
+      tb.rms_norm(dt, i == 0 ? x.data_ptr() : xp, rp, w[0].data_ptr(), t, hidden, static_cast<float>(eps), xn);
+    apply(xn, w + 1, qkv, hidden, qkv_w);
+    char* qkvp = static_cast<char*>(qkv);
+    tb.rope(dt, qkvp, t, heads, d, qkv_w, cos.data_ptr<float>(), sin.data_ptr<float>());
+    tb.rope(dt, qkvp + qw * es, t, kv_heads, d, qkv_w, cos.data_ptr<float>(), sin.data_ptr<float>());
+    const at::Tensor &kc = k_caches[i], &vc = v_caches[i];
+    kv.k = qkvp + qw * es, kv.v = qkvp + (qw + kvw) * es, kv.k_cache = kc.data_ptr(), kv.v_cache = vc.data_ptr();
+    kv.block_size = kc.size(3), kv.block_stride = kc.stride(0);
+    tb.write_kv_cache(kv);
+    for (int64_t r = 0; r < t; ++r)  // q, contiguous for the attention kernel
+      std::memcpy(static_cast<char*>(qb) + r * qw * es, qkvp + r * qkv_w * es, qw * es);
+    attn.k_cache = kc.data_ptr(), attn.v_cache = vc.data_ptr(), attn.block_size = kc.size(3), attn.block_stride = kc.stride(0);
+    tb.paged_attention(attn);
+    apply(ob, w + 1 + s, xp, qw, hidden);
+    tb.rms_norm(dt, xp, rp, w[1 + 2 * s].data_ptr(), t, hidden, static_cast<float>(eps), xn);
+    apply(xn, w + 2 + 2 * s, gu, hidden, inter2);
+    tb.silu_and_mul(dt, gu, act, t, inter);
+    apply(act, w + 2 + 3 * s, xp, inter, hidden);
   }
-  return {x, residual};
+  return {out, residual};
 }
 
 // logits [B, V] float32 (not modified); temperature/top_p/min_p [B] float32, top_k [B] int64 (<= 0 or >= V:
