@@ -117,6 +117,18 @@ def sample_reference(logits: torch.Tensor, temperature: torch.Tensor, top_k: tor
     return torch.searchsorted(cum, target, right=True).clamp(max=x.shape[-1] - 1)[:, 0]
 
 
+def _argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.max(logits, dim=-1): each row's largest value and its first index, NaN propagating. On CPU the
+    compiled `argmax_rows` (same answers: tests/runner/test_sampler_kernel.py) where it is built: torch's
+    indexed reduction takes ~47 us for one row of 49,152 logits and ~1.9 ms for 64 rows (2-core Zen 4)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.shape[-1] > 0:
+        k = kernels.load()
+        if k is not None and hasattr(k, "argmax_rows") and os.environ.get("CONVEYOR_SAMPLER", "auto") != "torch":
+            top, idx = k.argmax_rows(logits.contiguous())
+            return top, idx
+    return logits.max(dim=-1)
+
+
 def _kernel_sampler():
     """The compiled `sample_rows`, or None (kernels not built, or `CONVEYOR_SAMPLER=torch`)."""
     if os.environ.get("CONVEYOR_SAMPLER", "auto") == "torch":
@@ -149,7 +161,7 @@ def sample(logits: torch.Tensor, reqs: list[Request], grammar: GrammarMask | Non
     want_logprobs = any(r.params.logprobs is not None for r in reqs)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
-    top, tokens = logits.max(dim=-1)  # the argmax, and its value: NaN or +-inf means a broken row
+    top, tokens = _argmax(logits)  # the argmax, and its value: NaN or +-inf means a broken row
     bad = (~torch.isfinite(top)).nonzero().flatten().tolist()
     rows = [i for i, r in enumerate(reqs) if not r.params.greedy]  # decided on the host: no device sync
     if rows:

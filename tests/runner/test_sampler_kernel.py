@@ -112,3 +112,47 @@ def test_draws_follow_the_reference_distribution(case):
     except OutsideSupport:
         control = 0.0
     assert control < 1e-6
+
+
+def argmax_cases() -> dict[str, torch.Tensor]:
+    """Rows that probe torch.max's rules: ties (first index wins), -0.0 against 0.0, infinities, NaN (propagates,
+    first NaN), all -inf (a fully banned row), widths that leave a tail after the 16-wide vectors."""
+    g = torch.Generator().manual_seed(3)
+    rows = {}
+    for vocab in (49152, 1003, 17, 1):
+        x = torch.randn(6, vocab, generator=g)
+        if vocab > 1:
+            x[1, vocab // 3] = x[1, vocab - 1] = 50.0  # a tie: the first index
+            x[2, :] = -float("inf")
+            x[2, vocab - 1] = 0.0
+            x[3, vocab // 2] = float("inf")
+            x[4, vocab - 1] = float("nan")
+            x[4, vocab // 4] = float("nan")
+            x[4, 0] = float("inf")
+        x[5, :] = -float("inf")
+        rows[f"v{vocab}"] = x
+    x = torch.zeros(3, 40)
+    x[0, 5] = -0.0
+    x[1, :] = -0.0
+    x[1, 20] = 0.0
+    rows["signed_zeros"] = x
+    rows["banned_bf16_logits"] = torch.randn(64, 49152, generator=g).bfloat16().float()  # many exact ties
+    return rows
+
+
+@pytest.mark.parametrize("name", list(argmax_cases()))
+def test_argmax_rows_is_torch_max(name):
+    x = argmax_cases()[name]
+    top, idx = kern.argmax_rows(x)
+    ref_top, ref_idx = x.max(dim=-1)
+    assert torch.equal(idx, ref_idx), (idx, ref_idx)
+    assert torch.equal(top.isnan(), ref_top.isnan())
+    finite = ~ref_top.isnan()
+    assert torch.equal(top[finite], ref_top[finite])
+
+
+def test_argmax_rows_can_fail():
+    """The comparison above notices a wrong answer: the last maximal index instead of the first."""
+    x = argmax_cases()["v1003"]
+    last = x.shape[1] - 1 - x.flip(-1).max(dim=-1).indices
+    assert not torch.equal(last, x.max(dim=-1).indices)

@@ -535,6 +535,19 @@ at::Tensor sample_rows(at::Tensor logits, at::Tensor temperature, at::Tensor top
   return out;
 }
 
+// logits [B, V] float32 (not modified): (values [B] float32, indices [B] int64) as torch.max(logits, dim=-1)
+// gives them (sampler.cpp).
+std::vector<at::Tensor> argmax_rows(at::Tensor logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous() &&
+                  logits.device().is_cpu() && logits.size(1) > 0,
+              "argmax_rows: logits must be a contiguous [B, V > 0] float32 CPU tensor");
+  const int64_t B = logits.size(0), V = logits.size(1);
+  auto top = at::empty({B}, logits.options());
+  auto idx = at::empty({B}, logits.options().dtype(at::kLong));
+  table().argmax_rows(logits.data_ptr<float>(), B, V, top.data_ptr<float>(), idx.data_ptr<int64_t>());
+  return {top, idx};
+}
+
 // LoRA: y [n, out] += (x @ a[s]^T) @ bt[s] over each segment s's rows (lora_sgmv.cpp); segments: int64
 // [S, 2] (start row, end row); a[s] [R_s, in], bt[s] [R_s, out] in y's dtype, blocks[s] int64 [P_s, 4]
 // (first rank row, rank rows, first output column, output columns) of bt[s]'s non-zero blocks; an empty
@@ -634,6 +647,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("residual"), py::arg("cos"), py::arg("sin"), py::arg("weights"), py::arg("k_caches"),
         py::arg("v_caches"), py::arg("slots"), py::arg("block_tables"), py::arg("cu_q"), py::arg("ctx_lens"),
         py::arg("heads"), py::arg("kv_heads"), py::arg("eps"), py::arg("scale"), py::arg("linear"), release());
+  m.def("argmax_rows", &argmax_rows, "each row's largest value and its first index, as torch.max(dim=-1) (CPU)",
+        release());
   m.def("lora_sgmv_", &lora_sgmv_, "y += LoRA deltas of every adapter segment of a step (CPU)", release());
   m.def("sample_rows", &sample_rows, "temperature, top-k, top-p, min-p and one draw per row, no sort (CPU)",
         py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("min_p"),

@@ -120,6 +120,8 @@ struct Table {
   void (*sample_rows)(const float* logits, int64_t rows, int64_t vocab, const float* temperature,
                       const int64_t* top_k, const float* top_p, const float* min_p, const double* uniform,
                       int64_t* out) = nullptr;
+  // per row of logits [rows, vocab]: its largest value and that value's first index (sampler.cpp)
+  void (*argmax_rows)(const float* logits, int64_t rows, int64_t vocab, float* top, int64_t* idx) = nullptr;
 };
 
 // The thread pool, handed to each variant by the bindings when they load it (at::parallel_for and

@@ -242,7 +242,55 @@ void sample_rows(const float* logits, int64_t B, int64_t V, const float* temp, c
   });
 }
 
-void register_sampler(Table& t) { t.sample_rows = &sample_rows; }
+// Each row's first index of its largest value, and that value: torch.max(dim=-1)'s answer (ties go to the first
+// index; a row holding NaN answers its first NaN). Why ours: torch's takes ~47 us for one row of 49,152 logits
+// and ~1.9 ms for 64 rows on a 2-core Zen 4 (its indexed reduction is not vectorised), at every greedy step.
+// Here two vectorised passes over the row, the second stopping at the answer.
+void argmax_rows(const float* logits, int64_t B, int64_t V, float* top, int64_t* idx) {
+  parallel_for(0, B, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = logits + r * V;
+      float m = -std::numeric_limits<float>::infinity();
+      bool nan = false;
+      int64_t i = 0;
+#ifdef __AVX512F__
+      __m512 vm = _mm512_set1_ps(m);
+      __mmask16 unordered = 0;
+      for (; i + 16 <= V; i += 16) {
+        const __m512 v = _mm512_loadu_ps(x + i);
+        unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        vm = _mm512_max_ps(vm, v);
+      }
+      nan = unordered != 0;
+      m = _mm512_reduce_max_ps(vm);
+#endif
+      for (; i < V; ++i) {
+        if (x[i] != x[i])
+          nan = true;
+        else if (x[i] > m)
+          m = x[i];
+      }
+      int64_t j = 0, found = -1;
+#ifdef __AVX512F__
+      const __m512 target = _mm512_set1_ps(m);
+      for (; j + 16 <= V && found < 0; j += 16) {
+        const __m512 v = _mm512_loadu_ps(x + j);
+        const __mmask16 hit = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, target, _CMP_EQ_OQ);
+        if (hit) found = j + __builtin_ctz(static_cast<unsigned>(hit));
+      }
+#endif
+      for (; j < V && found < 0; ++j)
+        if (nan ? x[j] != x[j] : x[j] == m) found = j;
+      idx[r] = found;
+      top[r] = x[found];
+    }
+  });
+}
+
+void register_sampler(Table& t) {
+  t.sample_rows = &sample_rows;
+  t.argmax_rows = &argmax_rows;
+}
 
 }  // namespace CONVEYOR_VARIANT
 }  // namespace conveyor
