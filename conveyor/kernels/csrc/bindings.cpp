@@ -354,7 +354,8 @@ at::Tensor linear_int8(at::Tensor x, at::Tensor q, at::Tensor scale) {
 // bits are the same. Why: that path makes ~20 Python-level calls per layer (module calls, views, splits, one
 // op each), about 4 ms of a 17 ms one-stream decode step of SmolLM2 on a 2-core Zen 3. Why raw pointers into
 // one workspace rather than the ops above: those still cost ~20 ATen calls a layer (checks, at::empty, views),
-// ~0.6 ms of a 14 ms one-stream step on a Zen 4, all of it serial; here a layer is the kernels' calls alone.
+// serial work on the engine thread while the other core spins; here a layer is the kernels' calls alone. (An
+// estimate, ~0.6 ms a step; in process the A/B was within this VM's noise: docs/performance.md, 2026-12-04.)
 // weights: per layer (input norm, qkv, o, post-attention norm, gate_up, down), the linears all packed for
 // `linear` ("linear_bf16", "linear_amx" or "linear_avx2": one tensor each; "linear_int4" or "linear_int8":
 // two, q and the scales), no biases. Returns (x, residual) as the last layer leaves them (the final norm is
