@@ -117,24 +117,24 @@ def sample_reference(logits: torch.Tensor, temperature: torch.Tensor, top_k: tor
     return torch.searchsorted(cum, target, right=True).clamp(max=x.shape[-1] - 1)[:, 0]
 
 
-def _argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch.max(logits, dim=-1): each row's largest value and its first index, NaN propagating. On CPU the
-    compiled `argmax_rows` (same answers: tests/runner/test_sampler_kernel.py) where it is built: torch's
-    indexed reduction takes ~47 us for one row of 49,152 logits and ~1.9 ms for 64 rows (2-core Zen 4)."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.shape[-1] > 0:
-        k = kernels.load()
-        if k is not None and hasattr(k, "argmax_rows") and os.environ.get("CONVEYOR_SAMPLER", "auto") != "torch":
-            top, idx = k.argmax_rows(logits.contiguous())
-            return top, idx
-    return logits.max(dim=-1)
-
-
-def _kernel_sampler():
-    """The compiled `sample_rows`, or None (kernels not built, or `CONVEYOR_SAMPLER=torch`)."""
+def _compiled(name: str):
+    """The compiled sampler op `name` (`sample_rows`, `argmax_rows`), or None: kernels not built, an older build
+    without it, or `CONVEYOR_SAMPLER=torch` (the pure-torch reference for both)."""
     if os.environ.get("CONVEYOR_SAMPLER", "auto") == "torch":
         return None
     k = kernels.load()
-    return getattr(k, "sample_rows", None) if k is not None else None
+    return getattr(k, name, None) if k is not None else None
+
+
+def _argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.max(logits, dim=-1): each row's largest value and its first index, NaN propagating. On CPU the
+    compiled `argmax_rows` (same answers: tests/runner/test_sampler_kernel.py) where it is built: torch's
+    indexed reduction takes ~47 us for one row of 49,152 logits and ~1.8 ms for 64 rows (2-core Zen 4)."""
+    op = _compiled("argmax_rows") if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    if op is not None and logits.shape[-1] > 0:
+        top, idx = op(logits.contiguous())
+        return top, idx
+    return logits.max(dim=-1)
 
 
 def sample(logits: torch.Tensor, reqs: list[Request], grammar: GrammarMask | None = None,
@@ -172,7 +172,7 @@ def sample(logits: torch.Tensor, reqs: list[Request], grammar: GrammarMask | Non
         top_p = torch.tensor([r.params.top_p for r in sub], dtype=torch.float32)
         min_p = torch.tensor([r.params.min_p for r in sub], dtype=torch.float32)
         u = uniforms(sub, None if positions is None else [positions[i] for i in rows])
-        kernel = _kernel_sampler() if dev.type == "cpu" and x.dtype == torch.float32 else None
+        kernel = _compiled("sample_rows") if dev.type == "cpu" and x.dtype == torch.float32 else None
         if kernel is not None:
             sampled = kernel(x.contiguous(), temperature, top_k, top_p, min_p, u)
         else:

@@ -151,8 +151,9 @@ def test_argmax_rows_is_torch_max(name):
     assert torch.equal(top[finite], ref_top[finite])
 
 
-def test_argmax_rows_can_fail():
-    """The comparison above notices a wrong answer: the last maximal index instead of the first."""
+def test_argmax_cases_tell_first_from_last():
+    """The tie rows are real ties: an argmax that took the last maximal index instead of the first would give
+    other indices there, so the comparison above would fail for it."""
     x = argmax_cases()["v1003"]
     last = x.shape[1] - 1 - x.flip(-1).max(dim=-1).indices
     assert not torch.equal(last, x.max(dim=-1).indices)
