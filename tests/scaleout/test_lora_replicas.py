@@ -117,7 +117,8 @@ def test_adapters_on_every_replica(lora_replicas, tiny_llama, adapter_dirs):
 
     # each adapter answers from both replicas, with the text it gives alone. Least-loaded routing reads loads
     # polled in the background, so on a slow machine a replica may still look busy with the previous request
-    # and two requests in a row can land on the same replica: ask until both have answered (at most 8 times)
+    # and two requests in a row can land on the same replica (a CI run saw 8 in a row): ask until both have
+    # answered (at most 8 times), waiting out the poll between tries
     replicas: dict[str, set[str]] = {}
     for j, model in enumerate(["a", "b", MODEL]):
         for i in range(8):
@@ -128,6 +129,7 @@ def test_adapters_on_every_replica(lora_replicas, tiny_llama, adapter_dirs):
             replicas.setdefault(model, set()).add(r.headers["x-conveyor-replica"])
             if replicas[model] == {"0", "1"}:
                 break
+            time.sleep(0.6)  # past the ingress's 0.5 s load poll: the replica just used no longer looks busy
     assert replicas["a"] == replicas["b"] == {"0", "1"}
 
     r = _complete(srv, "no-such-adapter", [1, 2, 3])
