@@ -204,7 +204,8 @@ class LlamaModel(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg).float(), persistent=False)
         self.rope_cos: torch.Tensor | None = None  # [max_position_embeddings, head_dim / 2]: build_rope_table
         self.rope_sin: torch.Tensor | None = None
-        self.fused_body: tuple[str, list[torch.Tensor]] | None = None  # fuse_body(): (linear op, layer weights)
+        # fuse_body(): (linear op, layer weights, each layer's qkv bias or none)
+        self.fused_body: tuple[str, list[torch.Tensor], list[torch.Tensor]] | None = None
         self.fused_max_rows: int | None = None  # larger steps run the loop (quantized layers' dense copies)
 
     def forward(
@@ -219,12 +220,12 @@ class LlamaModel(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         if (self.fused_body is not None and meta.backend == "kernel" and len(kv_caches[0]) == 2
                 and (self.fused_max_rows is None or input_ids.shape[0] <= self.fused_max_rows)):
-            op, weights = self.fused_body
+            op, weights, qkv_biases = self.fused_body
             attn = self.layers[0].self_attn
             x, residual = kernels.load().decoder_layers(
                 x, None, cos, sin, weights, [c[0] for c in kv_caches], [c[1] for c in kv_caches], meta.slot_mapping,
                 meta.block_tables, meta.cu_query_lens, meta.context_lens, attn.h, attn.hkv, self.cfg.rms_norm_eps,
-                attn.scale, op)
+                attn.scale, op, qkv_biases)
             return self.norm(x, residual)[0]
         for layer, cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, cos, sin, cache, meta)
@@ -236,38 +237,44 @@ class LlamaModel(nn.Module):
         cache, and every linear packed for one of our bf16 kernels, without bias. The same kernels run in
         the same order, so outputs are bit-identical; what goes is ~20 Python-level calls per layer (about
         4 ms of a 17 ms one-stream decode step on a 2-core Zen 3). int8 and int4 layers on our kernels qualify
-        too, for the steps their dense copies (see quantization.py) do not take. Returns whether it is on.
+        too, for the steps their dense copies (see quantization.py) do not take, and so do Qwen2's q/k/v biases
+        (added by the same torch op as the loop adds them). Returns whether it is on.
 
         Anything else (LoRA's wrapped linears, oneDNN or torch's linears, the torch reference path, an int8 KV
         cache at call time) keeps the Python loop, which stays the reference."""
         from conveyor.model.packed_linear import _OPS, PackedLinear
         from conveyor.model.quantization import QuantizedLinear
 
-        def op_of(m: nn.Module) -> tuple[str, list[torch.Tensor]] | None:
-            if type(m) is PackedLinear and m.kernel in _OPS and m.bias is None:
+        def op_of(m: nn.Module, bias_ok: bool = False) -> tuple[str, list[torch.Tensor]] | None:
+            if getattr(m, "bias", None) is not None and not bias_ok:
+                return None
+            if type(m) is PackedLinear and m.kernel in _OPS:
                 return _OPS[m.kernel], [m.packed]
-            if type(m) is QuantizedLinear and m.ours and m.bias is None:
+            if type(m) is QuantizedLinear and m.ours:
                 return f"linear_int{m.bits}", [m.qweight, m.scales]
             return None
 
         self.fused_body, self.fused_max_rows = None, None
         if not on or not hasattr(kernels.load(), "decoder_layers"):
             return False
-        ops, weights, limits = set(), [], []
+        ops, weights, limits, biases = set(), [], [], []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            lins = [op_of(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            lins = [op_of(attn.qkv_proj, bias_ok=True), *(op_of(m) for m in (attn.o_proj, mlp.gate_up_proj,
+                                                                              mlp.down_proj))]
             if not (attn.fused and mlp.fused and layer.input_layernorm.fused and layer.post_attention_layernorm.fused
                     and all(lins)):
                 return False
             ops.update(op for op, _ in lins)
             (_, qkv), (_, o), (_, gu), (_, down) = lins
             weights += [layer.input_layernorm.weight, *qkv, *o, layer.post_attention_layernorm.weight, *gu, *down]
+            if attn.qkv_proj.bias is not None:
+                biases.append(attn.qkv_proj.bias.detach())
             limits += [m.dense_above for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
                        if isinstance(m, QuantizedLinear) and m.dense is not None and m.dense_above is not None]
-        if len(ops) != 1:
+        if len(ops) != 1 or len(biases) not in (0, len(self.layers)):
             return False
-        self.fused_body = (ops.pop(), [w.detach() for w in weights])
+        self.fused_body = (ops.pop(), [w.detach() for w in weights], biases)
         self.fused_max_rows = min(limits, default=None)
         return True
 

@@ -17,6 +17,7 @@ from conveyor.model.quantization import int4_kernel_fits, quantize_int4
 from conveyor.runner import model_runner
 from conveyor.sampling_params import SamplingParams
 from tests.conftest import build_tiny_llama
+from tests.engine.test_hf_parity import build_variant
 
 pytestmark = pytest.mark.skipif(not packed_linear.available_kernels(),
                                 reason="none of our bf16 linear kernels runs on this CPU or build")
@@ -77,6 +78,21 @@ def test_one_call_gives_the_loops_bits(model_dir, monkeypatch, config):
         assert len(fused_logits[rid]) == len(loop_logits[rid])
         for a, b in zip(fused_logits[rid], loop_logits[rid]):
             assert torch.equal(a, b), rid
+
+
+def test_qwen2_qkv_biases_run_in_the_one_call(model_dir, tmp_path, monkeypatch):
+    """Qwen2's q/k/v biases (random here: HF initialises them to 0) ride in the one call, added by the op the
+    loop adds them with: the same bits. Without them the larger benchmark shape ran op by op."""
+    qwen = build_variant(tmp_path / "qwen2", model_dir, "Qwen2ForCausalLM", hidden_size=192, intermediate_size=384,
+                         num_attention_heads=3, num_key_value_heads=1, use_sliding_window=False)
+    fused_tokens, fused_logits, eng = generate(qwen, monkeypatch, True)
+    assert eng.model.fused_body is not None and len(eng.model.fused_body[2]) == eng.model_config.num_layers
+    assert eng.model.layers[0].self_attn.qkv_proj.bias.abs().sum() > 0
+    loop_tokens, loop_logits, eng = generate(qwen, monkeypatch, False)
+    assert eng.model.fused_body is None
+    assert fused_tokens == loop_tokens
+    for rid in loop_logits:
+        assert all(torch.equal(a, b) for a, b in zip(fused_logits[rid], loop_logits[rid], strict=True)), rid
 
 
 def test_the_loop_runs_where_an_op_is_not_compiled(model_dir, monkeypatch):

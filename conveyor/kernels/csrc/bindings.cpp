@@ -365,7 +365,7 @@ std::vector<at::Tensor> decoder_layers(at::Tensor x, c10::optional<at::Tensor> r
                                        const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
                                        at::Tensor slots, at::Tensor block_tables, at::Tensor cu_q, at::Tensor ctx_lens,
                                        int64_t heads, int64_t kv_heads, double eps, double scale,
-                                       const std::string& linear) {
+                                       const std::string& linear, const std::vector<at::Tensor>& qkv_biases) {
   const Table& tb = table();
   const bool int4 = linear == "linear_int4", int8 = linear == "linear_int8";
   const bool bf16 = linear == "linear_bf16", amx = linear == "linear_amx", avx2 = linear == "linear_avx2";
@@ -438,6 +438,12 @@ std::vector<at::Tensor> decoder_layers(at::Tensor x, c10::optional<at::Tensor> r
   TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= MAX_ROWS &&
                   std::find(std::begin(HEAD_DIMS), std::end(HEAD_DIMS), d) != std::end(HEAD_DIMS),
               "decoder_layers: GQA group or head_dim ", d, " not compiled in");
+  // Qwen2's q/k/v biases (one per layer, or none): added by torch's own add_, as PackedLinear.forward adds
+  // them, so the bits stay the loop's
+  TORCH_CHECK(qkv_biases.empty() || qkv_biases.size() == layers, "decoder_layers: one qkv bias per layer, or none");
+  for (const at::Tensor& b : qkv_biases)
+    TORCH_CHECK(b.dim() == 1 && b.numel() == qkv_w && b.scalar_type() == x.scalar_type() && b.device().is_cpu(),
+                "decoder_layers: a qkv bias [", qkv_w, "] in x's dtype");
   at::Tensor out = at::empty_like(x);
   if (t == 0) return {out, residual};
   // one workspace: the norm's output, qkv, q, attention's output, gate_up, its activation
@@ -484,6 +490,7 @@ std::vector<at::Tensor> decoder_layers(at::Tensor x, c10::optional<at::Tensor> r
     else
       tb.rms_norm(dt, i == 0 ? x.data_ptr() : xp, rp, w[0].data_ptr(), t, hidden, static_cast<float>(eps), xn);
     apply(xn, w + 1, qkv, hidden, qkv_w);
+    if (!qkv_biases.empty()) ws.narrow(0, (sizes[0] + 31) / 32 * 32, t * qkv_w).view({t, qkv_w}).add_(qkv_biases[i]);
     char* qkvp = static_cast<char*>(qkv);
     tb.rope(dt, qkvp, t, heads, d, qkv_w, cos.data_ptr<float>(), sin.data_ptr<float>());
     tb.rope(dt, qkvp + qw * es, t, kv_heads, d, qkv_w, cos.data_ptr<float>(), sin.data_ptr<float>());
@@ -647,7 +654,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_layers", &decoder_layers, "a Llama body's decoder layers in one call, as llama.py runs them (CPU)",
         py::arg("x"), py::arg("residual"), py::arg("cos"), py::arg("sin"), py::arg("weights"), py::arg("k_caches"),
         py::arg("v_caches"), py::arg("slots"), py::arg("block_tables"), py::arg("cu_q"), py::arg("ctx_lens"),
-        py::arg("heads"), py::arg("kv_heads"), py::arg("eps"), py::arg("scale"), py::arg("linear"), release());
+        py::arg("heads"), py::arg("kv_heads"), py::arg("eps"), py::arg("scale"), py::arg("linear"),
+        py::arg("qkv_biases") = std::vector<at::Tensor>(), release());
   m.def("argmax_rows", &argmax_rows, "each row's largest value and its first index, as torch.max(dim=-1) (CPU)",
         release());
   m.def("lora_sgmv_", &lora_sgmv_, "y += LoRA deltas of every adapter segment of a step (CPU)", release());
