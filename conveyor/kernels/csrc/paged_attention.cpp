@@ -114,7 +114,9 @@ inline void tile16(const float (*Q)[D], float (*acc)[D], float* m, float* l, con
     m[i] = mx;
     _mm512_store_ps(pr[i], quantized ? _mm512_mul_ps(p, vscale) : p);
   }
-  constexpr int CH = D < 64 ? D : 64;  // accumulator chunk: NR x CH/16 registers
+  // accumulator chunk: NR x CH/16 registers (above 4 rows, 32 dims a chunk keep them in the 32 zmm; the V
+  // interleave is done once per 32 dims either way)
+  constexpr int CH = NR > 4 ? 32 : (D < 64 ? D : 64);
   for (int c = 0; c < D; c += CH) {
     const int ch = std::min(CH, D - c);  // 64, or what is left (D = 80, 96): never past the row
     __m512 a[NR][CH / 16];
@@ -311,7 +313,9 @@ inline void tile16_dp(const uint32_t (*Qp)[D / 2], float (*acc)[D], float* m, fl
   }
   const uint16_t* vw = reinterpret_cast<const uint16_t*>(vt);
   const int pairs = (n + 1) / 2;
-  constexpr int CH = D < 64 ? D : 64;  // accumulator chunk: NR x CH/16 registers
+  // accumulator chunk: NR x CH/16 registers (above 4 rows, 32 dims a chunk keep them in the 32 zmm; the V
+  // interleave is done once per 32 dims either way)
+  constexpr int CH = NR > 4 ? 32 : (D < 64 ? D : 64);
   for (int c = 0; c < D; c += CH) {
     const int ch = std::min(CH, D - c);  // 64, or a last 32 (D = 96)
     __m512 a[NR][CH / 16];
@@ -340,22 +344,30 @@ inline void tile16_dp(const uint32_t (*Qp)[D / 2], float (*acc)[D], float* m, fl
   }
 }
 
-// One tile for all rows of an item: register blocks of 4 rows, then the 1-3 left.
+// One tile for all rows of an item: register blocks of 8 rows, then the 1-7 left. Each block permutes the
+// tile's K and interleaves its V once, so fewer, larger blocks do less of that per score (a GQA group of 7
+// heads, Qwen2.5-0.5B's, is one block at a decode; 4-row blocks made it two).
 template <int D, bool PACKED_ROWS>
 inline void tiles_dp(const uint32_t (*Qp)[D / 2], float (*acc)[D], float* m, float* l, const int* valid, int rows,
                      const bf16* kt, int64_t kstride, const bf16* vt, float scale) {
   int r = 0;
-  for (; r + 4 <= rows; r += 4) {
-    tile16_dp<D, 4, PACKED_ROWS>(Qp + r, acc + r, m + r, l + r, valid + r, std::max(valid[r + 3], 0), kt, kstride,
+  for (; r + 8 <= rows; r += 8) {
+    tile16_dp<D, 8, PACKED_ROWS>(Qp + r, acc + r, m + r, l + r, valid + r, std::max(valid[r + 7], 0), kt, kstride,
                                  vt, scale);
   }
   const int nl = std::max(valid[rows - 1], 0);
+#define CONVEYOR_TILE_DP(NR) tile16_dp<D, NR, PACKED_ROWS>(Qp + r, acc + r, m + r, l + r, valid + r, nl, kt, kstride, vt, scale)
   switch (rows - r) {
-    case 3: tile16_dp<D, 3, PACKED_ROWS>(Qp + r, acc + r, m + r, l + r, valid + r, nl, kt, kstride, vt, scale); break;
-    case 2: tile16_dp<D, 2, PACKED_ROWS>(Qp + r, acc + r, m + r, l + r, valid + r, nl, kt, kstride, vt, scale); break;
-    case 1: tile16_dp<D, 1, PACKED_ROWS>(Qp + r, acc + r, m + r, l + r, valid + r, nl, kt, kstride, vt, scale); break;
+    case 7: CONVEYOR_TILE_DP(7); break;
+    case 6: CONVEYOR_TILE_DP(6); break;
+    case 5: CONVEYOR_TILE_DP(5); break;
+    case 4: CONVEYOR_TILE_DP(4); break;
+    case 3: CONVEYOR_TILE_DP(3); break;
+    case 2: CONVEYOR_TILE_DP(2); break;
+    case 1: CONVEYOR_TILE_DP(1); break;
     default: break;
   }
+#undef CONVEYOR_TILE_DP
 }
 #else
 #define CONVEYOR_ATTN_DPBF16 0
@@ -375,33 +387,33 @@ void attend_item(const T* __restrict q, T* __restrict out, const CT* __restrict 
   alignas(64) float V[KV_TILE][D];
   float m[MAX_ROWS], l[MAX_ROWS];
   int64_t pos[MAX_ROWS];
+#if CONVEYOR_ATTN_DPBF16
+  constexpr bool dp = std::is_same<CT, bf16>::value && std::is_same<T, bf16>::value && D % 32 == 0;
+  const bool use_dp = dp && tile == 16;
+  alignas(64) uint32_t Qp[dp ? MAX_ROWS : 1][D / 2];  // the bf16 query rows as (d, d + 1) pairs, unscaled
+#else
+  constexpr bool dp = false;
+  const bool use_dp = false;
+#endif
   for (int r = 0; r < rows; ++r) {
     const int64_t t = q_begin + r / group;
     const int h = head0 + r % group;
     const T* src = q + t * q_stride_t + h * D;
-    for (int d = 0; d < D; ++d) Q[r][d] = to_float(src[d]) * scale;
+#if CONVEYOR_ATTN_DPBF16
+    if (use_dp)  // the dot-product tile reads the bf16 pairs as they are (and never Q or Kt)
+      std::memcpy(Qp[r], src, D * sizeof(T));
+    else
+#endif
+      for (int d = 0; d < D; ++d) Q[r][d] = to_float(src[d]) * scale;
     for (int d = 0; d < D; ++d) acc[r][d] = 0.f;
     m[r] = -1e30f;
     l[r] = 0.f;
     pos[r] = first_pos + r / group;
   }
-  for (int j = 0; j < KV_TILE; ++j) {
-    for (int d = 0; d < D; ++d) Kt[d][j] = 0.f;
-  }
-#if CONVEYOR_ATTN_DPBF16
-  constexpr bool dp = std::is_same<CT, bf16>::value && std::is_same<T, bf16>::value && D % 32 == 0;
-  const bool use_dp = dp && tile == 16;
-  alignas(64) uint32_t Qp[dp ? MAX_ROWS : 1][D / 2];  // the bf16 query rows as (d, d + 1) pairs, unscaled
-  if (use_dp) {
-    for (int r = 0; r < rows; ++r) {
-      const T* src = q + (q_begin + r / group) * q_stride_t + (head0 + r % group) * D;
-      std::memcpy(Qp[r], src, D * sizeof(T));
+  if (!use_dp)
+    for (int j = 0; j < KV_TILE; ++j) {
+      for (int d = 0; d < D; ++d) Kt[d][j] = 0.f;
     }
-  }
-#else
-  constexpr bool dp = false;
-  const bool use_dp = false;
-#endif
   const int64_t last = pos[rows - 1];  // rows are in position order: the last one sees the most keys
   const int64_t head_off = static_cast<int64_t>(kvh) * D * block_size;
   for (int64_t k0 = 0; k0 <= last; k0 += tile) {
