@@ -147,6 +147,12 @@ class Servers:
         return proc, f"http://127.0.0.1:{port}"
 
 
+def concurrency(load: str) -> str:
+    """The load's --max-concurrency, as vLLM's client gets it."""
+    flags = LOADS[load][0]
+    return flags[flags.index("--max-concurrency") + 1]
+
+
 def vllm_client(url: str, model: str, load: str, mode: str, out: Path, args, log, seed: int | None = None) -> dict:
     """One run of vLLM's `bench serve` against `url`; its saved result JSON. `seed`: the prompts' (default: one
     per mode)."""
@@ -157,6 +163,10 @@ def vllm_client(url: str, model: str, load: str, mode: str, out: Path, args, log
            # other prompts in each mode (the same for every server): with one seed, the modes after the first
            # found their prompts in the prefix cache (TTFT 542 -> 271 ms on conveyor)
            "--seed", str(list(MODES).index(mode) if seed is None else seed),
+           # the client's own warm-up (--num-warmups: one request, as many times as the load's concurrency, not
+           # measured): without it the first mode after a server's start read 5-8% below the later ones
+           # (SmolLM2, conveyor, in two runs)
+           *([] if getattr(args, "no_warmup", False) else ["--num-warmups", concurrency(load)]),
            "--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
            "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
     print(f"    vllm client, {load}, {mode}", flush=True)
@@ -338,6 +348,8 @@ def main() -> int:
     ap.add_argument("--our-client", action="store_true", help="also drive every server with conveyor bench run")
     ap.add_argument("--conveyor-args", default="", help="extra `conveyor serve` flags")
     ap.add_argument("--skip-limits", action="store_true", help="do not measure the GEMM rate and bandwidth")
+    ap.add_argument("--no-warmup", action="store_true", help="no warm-up requests before each measured client run "
+                    "(by default vLLM's client's --num-warmups, as many as the load's concurrency, every server alike)")
     ap.add_argument("--report-only", action="store_true", help="print the tables of --out again")
     args = ap.parse_args()
     if args.report_only:
