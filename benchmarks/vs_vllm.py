@@ -164,9 +164,9 @@ def vllm_client(url: str, model: str, load: str, mode: str, out: Path, args, log
            # found their prompts in the prefix cache (TTFT 542 -> 271 ms on conveyor)
            "--seed", str(list(MODES).index(mode) if seed is None else seed),
            # the client's own warm-up (--num-warmups: one request, as many times as the load's concurrency, not
-           # measured): without it the first mode after a server's start read 5-8% below the later ones
-           # (SmolLM2, conveyor, in two runs)
-           *([] if getattr(args, "no_warmup", False) else ["--num-warmups", concurrency(load)]),
+           # measured), so no server's first mode pays its start: conveyor's first mode on SmolLM2 read 2-9%
+           # below its later ones in two runs without it (in the one run with it, the VM's noise was larger)
+           *([] if args.no_warmup else ["--num-warmups", concurrency(load)]),
            "--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
            "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
     print(f"    vllm client, {load}, {mode}", flush=True)

@@ -234,11 +234,11 @@ class LlamaModel(nn.Module):
     def fuse_body(self, on: bool = True) -> bool:
         """Run the decoder layers in one compiled call (`decoder_layers`, bindings.cpp) where every op of the
         layers has its compiled kernel: the fused RMSNorm/RoPE/SiLU, the kernel attention on a bf16/fp32
-        cache, and every linear packed for one of our bf16 kernels, without bias. The same kernels run in
-        the same order, so outputs are bit-identical; what goes is ~20 Python-level calls per layer (about
-        4 ms of a 17 ms one-stream decode step on a 2-core Zen 3). int8 and int4 layers on our kernels qualify
-        too, for the steps their dense copies (see quantization.py) do not take, and so do Qwen2's q/k/v biases
-        (added by the same torch op as the loop adds them). Returns whether it is on.
+        cache, and every linear packed for one of our bf16 kernels, without bias (q/k/v's aside, below). The
+        same kernels run in the same order, so outputs are bit-identical; what goes is ~20 Python-level calls
+        per layer (about 4 ms of a 17 ms one-stream decode step on a 2-core Zen 3). int8 and int4 layers on our
+        kernels qualify too, for the steps their dense copies (see quantization.py) do not take, and so do
+        Qwen2's q/k/v biases (added by the same torch op as the loop adds them). Returns whether it is on.
 
         Anything else (LoRA's wrapped linears, oneDNN or torch's linears, the torch reference path, an int8 KV
         cache at call time) keeps the Python loop, which stays the reference."""

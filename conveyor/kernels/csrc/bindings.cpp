@@ -358,7 +358,7 @@ at::Tensor linear_int8(at::Tensor x, at::Tensor q, at::Tensor scale) {
 // estimate, ~0.6 ms a step; in process the A/B was within this VM's noise: docs/performance.md, 2026-12-04.)
 // weights: per layer (input norm, qkv, o, post-attention norm, gate_up, down), the linears all packed for
 // `linear` ("linear_bf16", "linear_amx" or "linear_avx2": one tensor each; "linear_int4" or "linear_int8":
-// two, q and the scales), no biases. Returns (x, residual) as the last layer leaves them (the final norm is
+// two, q and the scales), no biases but Qwen2's q/k/v ones (`qkv_biases`: one per layer, or none). Returns (x, residual) as the last layer leaves them (the final norm is
 // Python's); the residual is `residual_in`, or x, updated in place.
 std::vector<at::Tensor> decoder_layers(at::Tensor x, c10::optional<at::Tensor> residual_in, at::Tensor cos,
                                        at::Tensor sin, const std::vector<at::Tensor>& weights,
@@ -456,6 +456,9 @@ std::vector<at::Tensor> decoder_layers(at::Tensor x, c10::optional<at::Tensor> r
   void* buf[6];
   for (int j = 0; j < 6; ++j) buf[j] = p, p += (sizes[j] + 31) / 32 * 32 * es;
   void *xn = buf[0], *qkv = buf[1], *qb = buf[2], *ob = buf[3], *gu = buf[4], *act = buf[5];
+  // qkv's piece as a tensor, for the biases' add_
+  const at::Tensor qkv_t = ws.narrow(0, (static_cast<char*>(qkv) - static_cast<char*>(ws.data_ptr())) / es, t * qkv_w)
+                               .view({t, qkv_w});
   auto apply = [&](const void* in, const at::Tensor* w, void* o, int64_t k, int64_t n) {
     if (int4)
       tb.linear_int4(dt, in, w[0].data_ptr<uint8_t>(), w[1].data_ptr<float>(), o, t, k, n);
@@ -490,7 +493,7 @@ std::vector<at::Tensor> decoder_layers(at::Tensor x, c10::optional<at::Tensor> r
     else
       tb.rms_norm(dt, i == 0 ? x.data_ptr() : xp, rp, w[0].data_ptr(), t, hidden, static_cast<float>(eps), xn);
     apply(xn, w + 1, qkv, hidden, qkv_w);
-    if (!qkv_biases.empty()) ws.narrow(0, (sizes[0] + 31) / 32 * 32, t * qkv_w).view({t, qkv_w}).add_(qkv_biases[i]);
+    if (!qkv_biases.empty()) qkv_t.add_(qkv_biases[i]);
     char* qkvp = static_cast<char*>(qkv);
     tb.rope(dt, qkvp, t, heads, d, qkv_w, cos.data_ptr<float>(), sin.data_ptr<float>());
     tb.rope(dt, qkvp + qw * es, t, kv_heads, d, qkv_w, cos.data_ptr<float>(), sin.data_ptr<float>());

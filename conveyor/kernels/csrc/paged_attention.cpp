@@ -114,9 +114,7 @@ inline void tile16(const float (*Q)[D], float (*acc)[D], float* m, float* l, con
     m[i] = mx;
     _mm512_store_ps(pr[i], quantized ? _mm512_mul_ps(p, vscale) : p);
   }
-  // accumulator chunk: NR x CH/16 registers (above 4 rows, 32 dims a chunk keep them in the 32 zmm; the V
-  // interleave is done once per 32 dims either way)
-  constexpr int CH = NR > 4 ? 32 : (D < 64 ? D : 64);
+  constexpr int CH = D < 64 ? D : 64;  // accumulator chunk: NR x CH/16 registers
   for (int c = 0; c < D; c += CH) {
     const int ch = std::min(CH, D - c);  // 64, or what is left (D = 80, 96): never past the row
     __m512 a[NR][CH / 16];
@@ -392,7 +390,6 @@ void attend_item(const T* __restrict q, T* __restrict out, const CT* __restrict 
   const bool use_dp = dp && tile == 16;
   alignas(64) uint32_t Qp[dp ? MAX_ROWS : 1][D / 2];  // the bf16 query rows as (d, d + 1) pairs, unscaled
 #else
-  constexpr bool dp = false;
   const bool use_dp = false;
 #endif
   for (int r = 0; r < rows; ++r) {
