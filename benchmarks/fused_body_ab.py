@@ -26,7 +26,7 @@ def main() -> None:
     from conveyor.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model=args.model, dtype="bfloat16"))
-    model = engine.runner.model
+    model = engine.model
     fused = model.fused_body
     if fused is None:
         raise SystemExit("the one-call body does not run for this model or build: nothing to compare")
