@@ -40,11 +40,23 @@ void rms_norm_impl(T* x, T* residual, const T* w, int64_t rows, int64_t dim, flo
         for (int64_t i = 0; i < dim; ++i) rr[i] = static_cast<T>(f32(rr[i]) + f32(xr[i]));
         src = rr;
       }
-      float ss = 0.f;
-      for (int64_t i = 0; i < dim; ++i) {
+      // 16 partial sums (lane i % 16), then a fixed tree: one vector's chains instead of a scalar chain of
+      // `dim` dependent adds, which took 3.4% of the 64-client SmolLM2 load (perf, Zen 4). The order is
+      // fixed, so a row's result never depends on the batch.
+      float part[16] = {};
+      const int64_t body = dim - dim % 16;
+      for (int64_t i0 = 0; i0 < body; i0 += 16)
+        for (int j = 0; j < 16; ++j) {
+          const float v = f32(src[i0 + j]);
+          part[j] += v * v;
+        }
+      for (int64_t i = body; i < dim; ++i) {
         const float v = f32(src[i]);
-        ss += v * v;
+        part[i - body] += v * v;
       }
+      for (int w = 8; w >= 1; w /= 2)
+        for (int j = 0; j < w; ++j) part[j] += part[j + w];
+      const float ss = part[0];
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
       T* o = out + r * dim;
       for (int64_t i = 0; i < dim; ++i) {
