@@ -21,6 +21,7 @@
 #include "vec_math.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -579,13 +580,26 @@ void run(const AttentionArgs& a) {
   const int64_t q_stride_t = a.q_stride_t;
   const int64_t block_stride = a.block_stride;
   const float scale = a.scale;
-  parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
+  // Items go out largest first (query tokens x keys), one at a time from a shared counter. Why: items differ
+  // by 10-100x (a decode of 130 keys beside a 21-token tile deep in a prompt), and the static halves of a
+  // parallel_for left one thread waiting: a step of 60 decodes and a 256-token prompt took 1.67 ms per
+  // SmolLM2 layer against 0.47 + 0.80 for the two alone (2-core AMD EPYC Zen 4). Which thread runs an item
+  // never changes its result.
+  auto cost = [&](const Item& it) {
+    const int64_t qlen = cu[it.seq + 1] - cu[it.seq];
+    const int64_t keys = ctx[it.seq] - qlen + (it.q1 - cu[it.seq]);
+    return (it.q1 - it.q0) * keys;
+  };
+  std::stable_sort(items.begin(), items.end(), [&](const Item& x, const Item& y) { return cost(x) > cost(y); });
+  std::atomic<int64_t> next{0};
+  const int64_t total = static_cast<int64_t>(items.size());
+  parallel_for(0, get_num_threads(), 1, [&](int64_t, int64_t) {  // every chunk drains the same counter
+    for (int64_t i = next.fetch_add(1); i < total; i = next.fetch_add(1)) {
       const Item& it = items[i];
       const int64_t qlen = cu[it.seq + 1] - cu[it.seq];
       const int64_t first_pos = ctx[it.seq] - qlen + (it.q0 - cu[it.seq]);
-      attend_item<T, CT, D>(qp, op, kp, vp, ksp, vsp, tables + it.seq * table_stride, it.q0, it.q1, first_pos, it.kvh * group,
-                        group, q_stride_t, block_size, block_stride, it.kvh, scale);
+      attend_item<T, CT, D>(qp, op, kp, vp, ksp, vsp, tables + it.seq * table_stride, it.q0, it.q1, first_pos,
+                            it.kvh * group, group, q_stride_t, block_size, block_stride, it.kvh, scale);
     }
   });
 }
