@@ -29,13 +29,15 @@ MODES = {
 }
 
 
-def best_ms(fn, n: int = 20) -> float:
+def best_ms(fn, n: int = 20, calls: int = 1) -> float:
+    """Milliseconds per call of `fn`: the best of `n` rounds of `calls` calls, after one warm-up call."""
     fn()
     best = float("inf")
     for _ in range(n):
         t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls)
     return best * 1e3
 
 

@@ -14,19 +14,9 @@ from __future__ import annotations
 
 import argparse
 import random
-import time
 
 import torch
-
-
-def best_ms(fn, rounds: int, calls: int = 5) -> float:
-    best = float("inf")
-    for _ in range(rounds):
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t) / calls)
-    return best * 1e3
+from sampler import best_ms  # benchmarks/sampler.py, beside this script
 
 
 def attention_step(reqs: list[tuple[int, int]], rounds: int, h: int = 9, hkv: int = 3, d: int = 64,
@@ -46,7 +36,7 @@ def attention_step(reqs: list[tuple[int, int]], rounds: int, h: int = 9, hkv: in
     q, k, v = (torch.randn(t, heads, d, generator=g).bfloat16() for heads in (h, hkv, hkv))
     meta = build_metadata([n for _, n in reqs], [c + n for c, n in reqs], tables, block_size,
                           torch.device("cpu"), "kernel")
-    return best_ms(lambda: paged_attention(q, k, v, kc, vc, meta, d ** -0.5), rounds)
+    return best_ms(lambda: paged_attention(q, k, v, kc, vc, meta, d ** -0.5), rounds, calls=5)
 
 
 def main() -> None:

@@ -582,8 +582,8 @@ void run(const AttentionArgs& a) {
   const float scale = a.scale;
   // Items go out largest first (query tokens x keys), one at a time from a shared counter. Why: items differ
   // by 10-100x (a decode of 130 keys beside a 21-token tile deep in a prompt), and the static halves of a
-  // parallel_for left one thread waiting: a step of 60 decodes and a 256-token prompt took 1.67 ms per
-  // SmolLM2 layer against 0.47 + 0.80 for the two alone (2-core AMD EPYC Zen 4). Which thread runs an item
+  // parallel_for left one thread waiting: a step of 60 decodes and a 256-token prompt took 1.25 ms per
+  // SmolLM2 layer, now ~0.92 (benchmarks/step_kernels.py, 2-core AMD EPYC Zen 4). Which thread runs an item
   // never changes its result.
   auto cost = [&](const Item& it) {
     const int64_t qlen = cu[it.seq + 1] - cu[it.seq];
