@@ -22,19 +22,53 @@ from conveyor.model.attention import (
     paged_attention,
     quantize_kv,
     scale_shape,
+    write_kv,
 )
 
 needs_kernel = pytest.mark.skipif(kernels.load() is None, reason="compiled kernels could not be built here")
 
 
+# Heads from 1e-9 to 1e3 in size: below ~8e-3 the scale max|x| / 127 is an fp16 subnormal, a few % apart.
+MAGNITUDES = torch.logspace(-9, 3, 60)
+
+
+def within_half_a_step(x, q, s):
+    back = q.float() * s.float()[..., None]
+    return (back - x).abs() <= s.float()[..., None] * 0.5 + 1e-5 * x.abs().amax(-1, keepdim=True)
+
+
 def test_quantize_kv_error_is_within_half_a_step():
-    x = torch.randn(50, 3, 64) * torch.rand(50, 3, 1) * 10
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 3, 64, generator=g) * torch.rand(50, 3, 1, generator=g) * 10
     q, s = quantize_kv(x)
     assert q.dtype == torch.int8 and s.dtype == KV_SCALE_DTYPE and s.shape == (50, 3)
-    back = q.float() * s.float()[..., None]
-    step = s.float()[..., None]
-    assert ((back - x).abs() <= step * 0.5 + 1e-3 * x.abs().amax(-1, keepdim=True)).all()
+    assert within_half_a_step(x, q, s).all()
     assert q.abs().max() <= 127
+
+
+def test_quantize_kv_tiny_heads_stay_within_half_a_step():
+    """A scale rounded down to an fp16 subnormal would clamp the largest values several steps off."""
+    x = torch.randn(60, 2, 64, generator=torch.Generator().manual_seed(1)) * MAGNITUDES[:, None, None]
+    q, s = quantize_kv(x)
+    assert within_half_a_step(x, q, s).all()
+    assert (s.float() > 0).all() and q.abs().max() <= 127
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_writes_the_reference_bytes_for_every_magnitude(dtype):
+    d, hkv, bs = 64, 2, 16
+    g = torch.Generator().manual_seed(2)
+    k = (torch.randn(60, hkv, d, generator=g) * MAGNITUDES[:, None, None]).to(dtype)
+    v = (torch.randn(60, hkv, d, generator=g) * MAGNITUDES.flip(0)[:, None, None]).to(dtype)
+    table = list(range(4))
+    pools = {}
+    for backend in ("kernel", "torch"):
+        pools[backend] = make_pools(4, bs, hkv, d)
+        meta = build_metadata([60], [60], [table], bs, torch.device("cpu"), backend)
+        write_kv(k, v, *pools[backend][:2], meta, *pools[backend][2:])
+    for a, b in zip(pools["kernel"], pools["torch"]):
+        assert torch.equal(a, b)
     zq, zs = quantize_kv(torch.zeros(2, 1, 8))
     assert (zq == 0).all() and (zs == 0).all()
 

@@ -605,7 +605,8 @@ void run(const AttentionArgs& a) {
 }
 
 // Scatter this step's K/V [T, Hkv, D] into their slots. CT == T: copied as they are. CT == int8_t:
-// quantized per token and head, scale = max|x| / 127 rounded to fp16 and q = round(x / scale), the
+// quantized per token and head, scale = max|x| / 127 rounded to fp16 (one step up where that rounded it
+// down, as quantize_kv in attention.py explains) and q = round(x / scale), the
 // scales stored beside ([blocks, Hkv, block_size]).
 template <typename T, typename CT>
 void write_kv(const WriteKVArgs& a) {
@@ -623,7 +624,8 @@ void write_kv(const WriteKVArgs& a) {
     if constexpr (std::is_same<CT, int8_t>::value) {
       float amax = 0.f;
       for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(to_float(src[i])));
-      const half sh = static_cast<half>(amax / 127.f);
+      half sh = static_cast<half>(amax / 127.f);
+      if (static_cast<float>(sh) * 127.f < amax) sh.x += 1;  // rounded down: one fp16 step up, so none clamps
       const float sc = static_cast<float>(sh);
       *scale_out = sh;
       for (int64_t i = 0; i < d; ++i) {
