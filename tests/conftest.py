@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import random
+import zlib
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,23 @@ import pytest
 # tiny models and keep a busy one close to quiet speed. Set before torch loads libgomp; servers the
 # tests start inherit it. (Timing only: no result depends on it.)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+# Every test starts from its own fixed RNG state, so a CI run is reproducible: an unseeded test once
+# failed CI on an unlucky draw (it had found a real bug: int8 KV scales rounded down to fp16 subnormals).
+# CONVEYOR_TEST_SEED=N gives every test other draws, to hunt such cases on purpose rather than by chance.
+TEST_SEED = int(os.environ.get("CONVEYOR_TEST_SEED", "0"))
+
+
+@pytest.fixture(autouse=True)
+def _seeded_rngs(request):
+    import numpy as np
+    import torch
+
+    seed = zlib.crc32(request.node.nodeid.encode()) ^ TEST_SEED
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
 
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
