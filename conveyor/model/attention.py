@@ -62,8 +62,8 @@ def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.float()
     amax = xf.abs().amax(dim=-1)
     scale = (amax / 127).to(KV_SCALE_DTYPE)
-    scale = torch.where(scale.float() * 127 < amax, torch.nextafter(scale, torch.full_like(scale, float("inf"))),
-                        scale)
+    up = (scale.view(torch.int16) + 1).view(KV_SCALE_DTYPE)  # the next fp16 above a scale >= 0, on any device
+    scale = torch.where(scale.float() * 127 < amax, up, scale)
     sf = scale.float()[..., None]
     q = torch.where(sf > 0, torch.round(xf / torch.where(sf > 0, sf, 1.0)), 0.0).clamp(-127, 127)
     return q.to(torch.int8), scale
