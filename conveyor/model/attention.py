@@ -56,7 +56,7 @@ def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     The scale max|x| / 127 is rounded to fp16 and then moved one fp16 step up wherever rounding took it
     below max|x| / 127: a scale rounded down would push the largest values past 127 and into the clamp,
-    an error of several steps for small heads whose scale is an fp16 subnormal (2.5% apart there).
+    an error of several steps for small heads whose scale is an fp16 subnormal (neighbours a few % apart).
     Rounded up, every value stays within half a step of what was stored.
     """
     xf = x.float()
