@@ -585,20 +585,17 @@ void run(const AttentionArgs& a) {
   // parallel_for left one thread waiting: a step of 60 decodes and a 256-token prompt took 1.25 ms per
   // SmolLM2 layer, now ~0.92 (benchmarks/step_kernels.py, 2-core AMD EPYC Zen 4). Which thread runs an item
   // never changes its result.
-  auto cost = [&](const Item& it) {
-    const int64_t qlen = cu[it.seq + 1] - cu[it.seq];
-    const int64_t keys = ctx[it.seq] - qlen + (it.q1 - cu[it.seq]);
-    return (it.q1 - it.q0) * keys;
+  auto first_pos = [&](const Item& it) {  // the position of the item's first query token
+    return ctx[it.seq] - (cu[it.seq + 1] - cu[it.seq]) + (it.q0 - cu[it.seq]);
   };
+  auto cost = [&](const Item& it) { return (it.q1 - it.q0) * (first_pos(it) + it.q1 - it.q0); };  // x keys
   std::stable_sort(items.begin(), items.end(), [&](const Item& x, const Item& y) { return cost(x) > cost(y); });
   std::atomic<int64_t> next{0};
   const int64_t total = static_cast<int64_t>(items.size());
   parallel_for(0, get_num_threads(), 1, [&](int64_t, int64_t) {  // every chunk drains the same counter
     for (int64_t i = next.fetch_add(1); i < total; i = next.fetch_add(1)) {
       const Item& it = items[i];
-      const int64_t qlen = cu[it.seq + 1] - cu[it.seq];
-      const int64_t first_pos = ctx[it.seq] - qlen + (it.q0 - cu[it.seq]);
-      attend_item<T, CT, D>(qp, op, kp, vp, ksp, vsp, tables + it.seq * table_stride, it.q0, it.q1, first_pos,
+      attend_item<T, CT, D>(qp, op, kp, vp, ksp, vsp, tables + it.seq * table_stride, it.q0, it.q1, first_pos(it),
                             it.kvh * group, group, q_stride_t, block_size, block_stride, it.kvh, scale);
     }
   });
