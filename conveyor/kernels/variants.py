@@ -31,10 +31,13 @@ class Variant:
 
 
 X86_VARIANTS = (  # most capable first
-    # AMX intrinsics compile in here too (linear_amx.cpp); they run only where the CPU reports AMX
-    Variant("avx512bf16", ("-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mtune=generic"),
-            frozenset(_V4 | {"avx512_bf16"}),
-            "AVX-512 with BF16 dot products (vdpbf16ps): Cooper Lake, Sapphire Rapids and later, AMD Zen 4 and later"),
+    # AMX intrinsics compile in here too (linear_amx.cpp); they run only where the CPU reports AMX. Every CPU
+    # with AVX512-BF16 (Cooper Lake, Sapphire Rapids, Zen 4 and later) also has AVX512-VNNI (int8 dot products)
+    Variant("avx512bf16", ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16",
+                           "-mamx-int8", "-mtune=generic"),
+            frozenset(_V4 | {"avx512_bf16", "avx512_vnni"}),
+            "AVX-512 with BF16 and VNNI dot products (vdpbf16ps, vpdpbusd): Cooper Lake, Sapphire Rapids and "
+            "later, AMD Zen 4 and later"),
     Variant("avx512", ("-march=x86-64-v4", "-mtune=generic"), frozenset(_V4),
             "AVX-512 F/BW/CD/DQ/VL (x86-64-v4): Skylake-SP and later, AMD Zen 4"),
     Variant("avx2", ("-march=x86-64-v3", "-mtune=generic"), frozenset(_V3),
