@@ -23,8 +23,9 @@ from conveyor.bench.result import EngineRunStats
 from conveyor.bench.stats import contiguous_waste, paged_waste
 from conveyor.bench.workloads import BenchRequest
 from conveyor.config import EngineConfig
-from conveyor.engine.engine_loop import AbortRequest, AddRequest, EndInput, LoopOutput, Stop, ThreadEngineClient
+from conveyor.engine.clients import ThreadEngineClient
 from conveyor.engine.llm_engine import STEP_PHASES, LLMEngine, StepStats
+from conveyor.engine.messages import AbortRequest, AddRequest, EndInput, LoopOutput, Stop
 from conveyor.lora.request import LoRARequest
 from conveyor.sampling_params import SamplingParams
 

@@ -3,7 +3,7 @@
 It is synchronous and single-threaded on purpose, and a closed box: callers add and abort requests,
 call `step()` (which returns a typed `StepOutput`), and read `snapshot()` / `info`; nothing outside
 `conveyor/engine/` touches the scheduler or the KV manager. The offline `LLM` steps it in a loop;
-the server and the lab drive it through `EngineLoop` (`engine_loop.py`), in a thread or a process.
+the server and the lab drive it through `EngineLoop` (`loop.py`), in a thread or a process (`clients.py`).
 """
 
 from __future__ import annotations

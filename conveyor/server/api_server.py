@@ -23,14 +23,9 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 
 import conveyor
 from conveyor.config import EngineConfig
-from conveyor.engine.engine_loop import (
-    EngineClient,
-    InlineEngineClient,
-    ProcessEngineClient,
-    Stop,
-    ThreadEngineClient,
-)
+from conveyor.engine.clients import EngineClient, InlineEngineClient, ProcessEngineClient, ThreadEngineClient
 from conveyor.engine.llm_engine import LLMEngine
+from conveyor.engine.messages import Stop
 from conveyor.pooling import default_pooling
 from conveyor.server import protocol as P
 from conveyor.server.admin import install_admin_routes
@@ -86,7 +81,7 @@ def make_client(config: EngineConfig, where: str, engine: LLMEngine | None = Non
         return InlineEngineClient(engine or LLMEngine(config))
     if where != "thread":
         raise ValueError(f"engine loop must be thread, process or inline, got {where!r}")
-    # thread: the model is built in the thread that will step it (OpenMP: see engine_loop.py)
+    # thread: the model is built in the thread that will step it (OpenMP: see engine/clients.py)
     return ThreadEngineClient(engine if engine is not None else (lambda: LLMEngine(config)))
 
 

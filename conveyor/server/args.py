@@ -23,7 +23,7 @@ from conveyor.config import EngineConfig
 # "Server disconnected without sending a response" for a request the server never saw.
 KEEP_ALIVE_S = 20.0
 
-ENGINE_LOOPS = ("thread", "process", "inline")  # conveyor/engine/engine_loop.py
+ENGINE_LOOPS = ("thread", "process", "inline")  # conveyor/engine/clients.py
 SERVER_GROUPS = {"server": "server", "tools": "tools and templates", "embeddings": "embeddings"}  # --help order
 
 

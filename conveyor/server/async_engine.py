@@ -1,6 +1,6 @@
 """`AsyncEngine`: the asyncio face of the engine loop, for the HTTP side.
 
-The engine itself runs in an `EngineLoop` (`conveyor/engine/engine_loop.py`), in a thread of this
+The engine itself runs in an `EngineLoop` (`conveyor/engine/loop.py`), in a thread of this
 process or in its own process (`--engine-loop thread|process`); this class only speaks the loop's
 typed messages:
 - `submit` sends an `AddRequest` per prompt and returns a `Submission`, an async iterator of that
@@ -21,12 +21,10 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from conveyor.engine.engine_loop import (
+from conveyor.engine.clients import EngineClient, EngineDeadError, InlineEngineClient
+from conveyor.engine.messages import (
     AbortRequest,
     AddRequest,
-    EngineClient,
-    EngineDeadError,
-    InlineEngineClient,
     LoopOutput,
     SchedulerSwitch,
     SetScheduler,

@@ -28,8 +28,9 @@ from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
 from importlib import resources
 
-from conveyor.engine.engine_loop import EngineClient, LoopOutput, SnapshotKV
+from conveyor.engine.clients import EngineClient
 from conveyor.engine.llm_engine import EngineSnapshot
+from conveyor.engine.messages import LoopOutput, SnapshotKV
 
 log = logging.getLogger("conveyor.server")
 

@@ -269,10 +269,8 @@ def run_server(args: argparse.Namespace) -> int:
             server.should_exit = True
 
     def freeze() -> None:
-        from conveyor.engine.engine_loop import freeze_startup_heap
-
         log.info("%d objects of the loaded server frozen out of the garbage collector's full passes",
-                 freeze_startup_heap())
+                 startup.freeze_startup_heap())
 
     if sargs.engine_loop == "inline":
         app: Any = load()
@@ -286,10 +284,7 @@ def run_server(args: argparse.Namespace) -> int:
     # handlers in place underneath its own, that re-raise is swallowed and we return 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID` writes every thread's stack to the log (a stuck server)
-        import faulthandler
-
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    startup.dump_stacks_on_sigusr1()  # `kill -USR1 PID` writes every thread's stack to the log (a stuck server)
     with sock:
         server.run(sockets=[sock])
     if isinstance(app, LoadingApp) and app.error is not None:

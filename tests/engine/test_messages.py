@@ -6,7 +6,8 @@ import json
 import pickle
 from dataclasses import fields
 
-from conveyor.engine.engine_loop import AddRequest, EngineFailed, EngineReady, FailedAdd, LoopOutput, LoopState
+from conveyor.engine.loop import LoopState
+from conveyor.engine.messages import AddRequest, EngineFailed, EngineReady, FailedAdd, LoopOutput
 from conveyor.outputs import FinishReason, StepDelta
 from conveyor.sampling_params import ParamError, SamplingParams
 

@@ -94,7 +94,7 @@ def test_sigterm_drains_then_exits_0(tiny_llama):
         last = json.loads(lines[-2][len("data: "):])
         assert last["choices"][0]["finish_reason"] in ("abort", "length")
         assert "Application shutdown complete" in out
-        # the loaded server's heap was frozen out of the collector's full passes (engine_loop.freeze_startup_heap)
+        # the loaded server's heap was frozen out of the collector's full passes (startup.freeze_startup_heap)
         assert "objects of the loaded server frozen out of the garbage collector" in out, out
         with pytest.raises(httpx.TransportError):
             httpx.get(url + "/health", timeout=1)
@@ -105,7 +105,7 @@ def test_sigterm_drains_then_exits_0(tiny_llama):
 
 
 def test_engine_is_built_in_the_thread_that_steps_it(server, client):
-    """The model is loaded in the engine thread (OpenMP: one team, see engine_loop.py) and stepped there."""
+    """The model is loaded in the engine thread (OpenMP: one team, see engine/clients.py) and stepped there."""
     loop = server.app.state.engine.client
     assert loop.thread is not threading.main_thread() and loop.thread.is_alive()
     assert loop.built_on == loop.stepped_on == loop.thread.ident
