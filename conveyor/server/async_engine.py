@@ -3,8 +3,8 @@
 The engine itself runs in an `EngineLoop` (`conveyor/engine/loop.py`), in a thread of this
 process or in its own process (`--engine-loop thread|process`); this class only speaks the loop's
 typed messages:
-- `submit` sends an `AddRequest` per prompt and returns a `Submission`, an async iterator of that
-  call's `StepDelta`s; closing it (client gone, error, shutdown) sends `AbortRequest`s;
+- `submit` sends an `EngineRequest` (`conveyor/request.py`) per prompt and returns a `Submission`, an
+  async iterator of that call's `StepDelta`s; closing it (client gone, error, shutdown) sends `AbortRequest`s;
 - every `LoopOutput` the loop emits is handed to the event loop in one `call_soon_threadsafe`, which
   routes its deltas to their submissions and publishes its snapshot for `/metrics` and the log;
 - if the engine dies (a step raised, the engine process was killed), health turns 503, new calls
@@ -16,6 +16,7 @@ done with the engine's `EngineInfo`, so bad input never reaches the engine.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -24,7 +25,6 @@ from dataclasses import dataclass, field
 from conveyor.engine.clients import EngineClient, EngineDeadError, InlineEngineClient
 from conveyor.engine.messages import (
     AbortRequest,
-    AddRequest,
     LoopOutput,
     SchedulerSwitch,
     SetScheduler,
@@ -32,13 +32,13 @@ from conveyor.engine.messages import (
     UnloadLoRA,
 )
 from conveyor.outputs import FinishReason, StepDelta
-from conveyor.request import sequence_ids
+from conveyor.request import EngineRequest, sequence_ids
 from conveyor.server.metrics import EngineStats, ServerMetrics
 
 log = logging.getLogger("conveyor.server")
 request_log = logging.getLogger("conveyor.server.requests")
 
-__all__ = ["AddRequest", "AsyncEngine", "EngineDeadError", "QueueFullError", "Submission"]
+__all__ = ["EngineRequest", "AsyncEngine", "EngineDeadError", "QueueFullError", "Submission"]
 
 
 class QueueFullError(RuntimeError):
@@ -63,7 +63,7 @@ class Submission:
     sequence has finished and raises `EngineDeadError` if the engine dies meanwhile.
     """
 
-    def __init__(self, engine: AsyncEngine, api_id: str, inputs: list[AddRequest], arrival: float) -> None:
+    def __init__(self, engine: AsyncEngine, api_id: str, inputs: list[EngineRequest], arrival: float) -> None:
         self.engine = engine
         self.api_id = api_id
         self.inputs = inputs
@@ -218,7 +218,7 @@ class AsyncEngine:
         return self._stats
 
     # --- the HTTP side's API --------------------------------------------------------------------------
-    def submit(self, api_id: str, inputs: list[AddRequest]) -> Submission:
+    def submit(self, api_id: str, inputs: list[EngineRequest]) -> Submission:
         """Queue one API call's requests. Raises EngineDeadError or QueueFullError (nothing queued then)."""
         if not self.alive:
             raise EngineDeadError(f"the engine is not running{f': {self.error}' if self.error else ''}")
@@ -234,14 +234,15 @@ class AsyncEngine:
             if self.queued_tokens and self.queued_tokens + tokens > self.max_queued_tokens:
                 raise QueueFullError(f"the waiting queue is full ({self.queued_tokens} prompt tokens queued, limit "
                                      f"{self.max_queued_tokens}); retry later")
-        sub = Submission(self, api_id, inputs, time.monotonic())
+        arrival = time.monotonic()
+        inputs = [dataclasses.replace(inp, arrival_time=arrival) for inp in inputs]
+        sub = Submission(self, api_id, inputs, arrival)
         self._subs[api_id] = sub
         for inp in inputs:
             self._group_to_sub[inp.request_id] = sub
         self._num_pending_adds += num
         self.queued_tokens += sum(sub.unstarted.values())
         for inp in inputs:
-            inp.arrival_time = sub.arrival
             self.client.send(inp)
         return sub
 

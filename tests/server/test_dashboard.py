@@ -14,6 +14,7 @@ from fastapi.testclient import TestClient
 
 from conveyor.bench.replay import build_replay_app, replay_runs
 from conveyor.engine.llm_engine import LLMEngine
+from conveyor.request import make_request
 from conveyor.sampling_params import SamplingParams
 
 from .conftest import MODEL, tiny_config
@@ -138,9 +139,9 @@ def test_a_slow_viewer_gets_drops_not_a_backlog(server):
 def test_kv_map_shows_shared_and_cached_blocks(tiny_llama):
     engine = LLMEngine(tiny_config(tiny_llama, num_kv_blocks=64))
     prompt = list(range(100, 100 + 40))
-    engine.add_request(prompt, SamplingParams(max_tokens=30, ignore_eos=True), request_id="a")
+    engine.add_request(make_request(prompt, SamplingParams(max_tokens=30, ignore_eos=True), request_id="a"))
     engine.step()
-    engine.add_request(prompt, SamplingParams(max_tokens=30, ignore_eos=True), request_id="b")
+    engine.add_request(make_request(prompt, SamplingParams(max_tokens=30, ignore_eos=True), request_id="b"))
     engine.step()
     m = engine.kv_map()
     assert m.num_blocks == 64 and m.blocks_per_cell == 1 and sum(m.totals) == 64
