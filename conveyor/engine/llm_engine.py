@@ -119,17 +119,6 @@ class EngineSnapshot:
 
 
 @dataclass(frozen=True)
-class KVMap:
-    """The pool's blocks as state codes (0 free, 1 cached and evictable, 2 in use, 3 shared by several
-    sequences), one byte per cell of `blocks_per_cell` blocks, plus exact totals per state."""
-
-    num_blocks: int
-    blocks_per_cell: int
-    cells: bytes
-    totals: tuple[int, int, int, int]
-
-
-@dataclass(frozen=True)
 class EngineInfo:
     """What the engine was built with; fixed for its life, and small enough to send between processes."""
 
@@ -279,7 +268,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv, make_policy(config), self.max_model_len)
         self.total_prompt_tokens = 0
         self.total_generation_tokens = 0
-        self.tenant_tokens: dict[str, int] = {}  # generated tokens per tenant (the dashboard's tenant rows)
+        # generated tokens per tenant, the first MAX_TENANT_ROWS (the snapshot's tenant rows: Scheduler.tenant_rows)
+        self.tenant_tokens: dict[str, int] = {}
         self.phase_seconds = dict.fromkeys(STEP_PHASES, 0.0)  # cumulative, for the log, /metrics and the lab
         self.spec_stats = SpecStats()
         self.spec_skipped_steps = 0  # steps where guesses were ready but the back-off said they would not pay
@@ -359,13 +349,6 @@ class LLMEngine:
             self.runner.lora.remove(lid)
             self.lora_to_remove.discard(lid)
         self.runner.lora.trim(in_use)
-
-    def _lora_counts(self, reqs) -> tuple[tuple[str, int], ...]:
-        counts: dict[str, int] = {}
-        for r in reqs:
-            if r.lora_request is not None:
-                counts[r.lora_request.lora_name] = counts.get(r.lora_request.lora_name, 0) + 1
-        return tuple(sorted(counts.items()))
 
     def abort_request(self, request_id: str) -> list[StepDelta]:
         """Abort a request (all n of its sequences); frees their KV blocks at once. Returns a final
@@ -610,6 +593,7 @@ class LLMEngine:
 
     # --- read-only views ------------------------------------------------------------------------------
     def snapshot(self) -> EngineSnapshot:
+        lora_running, lora_waiting = self.scheduler.lora_counts() if self.runner.lora is not None else ((), ())
         return EngineSnapshot(
             running=self.num_running, waiting=self.num_waiting, kv_blocks_used=self.kv.pool.num_used,
             kv_blocks_total=self.kv.pool.num_blocks, prompt_tokens=self.total_prompt_tokens,
@@ -620,28 +604,10 @@ class LLMEngine:
             spec_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_accepted_tokens=self.spec_stats.num_accepted_tokens,
             spec_accepted_per_pos=tuple(self.spec_stats.accepted_per_pos),
-            lora_running=self._lora_counts(self.scheduler.running) if self.runner.lora is not None else (),
-            lora_waiting=self._lora_counts([*self.scheduler.waiting, *(r for v in self.scheduler.held.values()
-                                                                         for r in v)])
-            if self.runner.lora is not None else (),
+            lora_running=lora_running, lora_waiting=lora_waiting,
             lora_loaded=tuple(r.lora_name for r in self.runner.lora.loaded) if self.runner.lora is not None else (),
             steps=self.scheduler.step_count, lora_deferrals=self.scheduler.num_lora_deferrals,
-            tenants=self._tenant_rows())
-
-    def _tenant_rows(self) -> tuple[tuple[str, int, int, int], ...]:
-        """(tenant, running, waiting, tokens generated) for every tenant with a request now and every one
-        whose tokens are counted (the first `MAX_TENANT_ROWS` seen, so that a server with a tenant per user
-        keeps a bounded table). Running and waiting are counted from the queues at each snapshot rather than
-        kept up to date at every transition: the queues are the only truth."""
-        rows: dict[str, list[int]] = {t: [0, 0] for t in self.tenant_tokens}
-        for r in self.scheduler.running:
-            rows.setdefault(r.tenant_id, [0, 0])[0] += 1
-        for r in self.scheduler.waiting:
-            rows.setdefault(r.tenant_id, [0, 0])[1] += 1
-        for v in self.scheduler.held.values():
-            for r in v:
-                rows.setdefault(r.tenant_id, [0, 0])[1] += 1
-        return tuple((t, run, wait, self.tenant_tokens.get(t, 0)) for t, (run, wait) in sorted(rows.items()))
+            tenants=self.scheduler.tenant_rows(self.tenant_tokens))
 
     def activation_headroom(self, config: EngineConfig) -> int:
         """Bytes a step's activations may take at most under `config` (kept out of the KV budget)."""
@@ -651,16 +617,6 @@ class LLMEngine:
     def model(self) -> torch.nn.Module:
         """The loaded model (read-only use: inspecting its layers, as a user of HF's model would)."""
         return self.runner.model
-
-    def lora_weights_held(self) -> set[int]:
-        """Adapter ids whose weights some layer of the model still holds (an unload must leave none)."""
-        if self.runner.lora is None:
-            return set()
-        return {lid for layer in self.runner.lora.layers for lin in layer.values() for lid in lin.stacked}
-
-    def kv_pool_is_zero(self) -> bool:
-        """Whether every KV cache tensor holds only zeros (a populated pool starts so)."""
-        return all(not t.any() for layer in self.runner.kv_caches for t in layer)
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
@@ -685,22 +641,6 @@ class LLMEngine:
     def reset_prefix_cache(self) -> None:
         """Forget every cached block that no request holds (a cold start for tests and benchmarks)."""
         self.kv.pool.reset_cache()
-
-    def kv_map(self, max_cells: int = 4096) -> KVMap:
-        """The KV pool at a glance, for the dashboard: each cell is the most common state of its blocks."""
-        codes = self.kv.pool.state_codes()
-        n = len(codes)
-        group = -(-n // max_cells)
-        if group > 1:
-            padded = np.zeros(-(-n // group) * group, dtype=np.uint8)
-            padded[:n] = codes
-            counts = np.stack([(padded.reshape(-1, group) == c).sum(1) for c in range(4)], axis=1)
-            counts[-1, 0] -= padded.size - n  # the padding is not free blocks
-            cells = (3 - counts[:, ::-1].argmax(1)).astype(np.uint8)  # ties go to the busier state
-        else:
-            cells = codes
-        totals = np.bincount(codes, minlength=4)
-        return KVMap(n, group, cells.tobytes(), tuple(int(x) for x in totals))
 
     @property
     def num_running(self) -> int:

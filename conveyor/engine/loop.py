@@ -26,6 +26,7 @@ from conveyor.engine.messages import (
     Stop,
     UnloadLoRA,
 )
+from conveyor.kv_cache.kv_map import kv_map
 from conveyor.request import EngineRequest
 from conveyor.scheduler.policies import policy_options
 
@@ -70,7 +71,7 @@ class EngineLoop:
         elif isinstance(cmd, UnloadLoRA):
             e.remove_lora(cmd.lora_int_id)
         elif isinstance(cmd, SnapshotKV):
-            out.kv_map = e.kv_map(cmd.max_cells)
+            out.kv_map = kv_map(e.kv.pool, cmd.max_cells)
         elif isinstance(cmd, SetScheduler):
             try:
                 cfg = e.set_scheduler(cmd.name, cmd.options)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from conveyor.engine.llm_engine import EngineInfo, EngineSnapshot, KVMap, StepStats
+from conveyor.engine.llm_engine import EngineInfo, EngineSnapshot, StepStats
+from conveyor.kv_cache.kv_map import KVMap
 from conveyor.outputs import StepDelta
 from conveyor.request import EngineRequest
 
