@@ -42,7 +42,7 @@ class OpenAIServingChat(OpenAIServing):
                                       structured=structured)
         self.check_prompt(ids, params, "messages")
         api_id = f"chatcmpl-{uuid.uuid4().hex}"
-        sub = self.submit(api_id, self.engine_requests(api_id, [ids], params, req, request,
+        sub = self.submit(api_id, self.engine_requests(api_id, [ids], params, req, request.headers,
                                                        lora=self.lora_for(req.model)))
         model = req.model or self.model_names[0]
         if req.stream:

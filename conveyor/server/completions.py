@@ -36,7 +36,7 @@ class OpenAIServingCompletion(OpenAIServing):
         for _, ids in prompts:
             self.check_prompt(ids, params, "prompt")
         api_id = f"cmpl-{uuid.uuid4().hex}"
-        inputs = self.engine_requests(api_id, [ids for _, ids in prompts], params, req, request,
+        inputs = self.engine_requests(api_id, [ids for _, ids in prompts], params, req, request.headers,
                                       lora=self.lora_for(req.model))
         sub = self.submit(api_id, inputs)
         model = req.model or self.model_names[0]

@@ -67,7 +67,8 @@ class OpenAIServingEmbedding(OpenAIServing):
         pooling = PoolingParams(self.options.pooling or "last", req.dimensions)
         params = SamplingParams(max_tokens=1, temperature=0.0)  # nothing is sampled: pooled at the prompt's end
         api_id = f"embd-{uuid.uuid4().hex}"
-        sub = self.submit(api_id, self.engine_requests(api_id, inputs, params, req, request, pooling=pooling))
+        sub = self.submit(api_id, self.engine_requests(api_id, inputs, params, req, request.headers,
+                                                                       pooling=pooling))
         index = {inp.request_id: i for i, inp in enumerate(sub.inputs)}
         vectors: list[list[float] | None] = [None] * len(inputs)
         errors: list[str] = []

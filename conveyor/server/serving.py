@@ -19,7 +19,7 @@ import asyncio
 import copy
 import math
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -264,13 +264,15 @@ class OpenAIServing:
 
     # --- to the engine and back -----------------------------------------------------------------------
     def engine_requests(self, api_id: str, prompts: Sequence[list[int]], params: SamplingParams,
-                        req: P.EngineFields, request: Request, *, pooling: PoolingParams | None = None,
+                        req: P.EngineFields, headers: Mapping[str, str], *, pooling: PoolingParams | None = None,
                         lora: LoRARequest | None = None) -> list[EngineRequest]:
         """One engine request record per prompt (`{api_id}-{i}`), the one place an endpoint's per-request
-        fields (`P.EngineFields`) become the record: the tenant by the server's rule (`--tenant-key`), the
-        priority, the cache salt and the latency targets, the engine's defaults for what is unset
-        (`conveyor.request.make_request`). `lora`: the adapter to run under (`lora_for(req.model)`)."""
-        tenant = self.options.tenant_rule.resolve(req.user, request.headers)
+        fields (`P.EngineFields`) become the record: the tenant by the server's rule (`--tenant-key`, read from
+        `req.user` or the `headers` the request came with), the priority, the cache salt and the latency
+        targets, the engine's defaults for what is unset (`conveyor.request.make_request`). `lora`: the adapter
+        to run under (`lora_for(req.model)`). A path without a live request (a batch's lines) passes the headers
+        of the call that created it."""
+        tenant = self.options.tenant_rule.resolve(req.user, headers)
         defaults = self.info.request_defaults
         try:
             return [make_request(ids, params, defaults=defaults, request_id=f"{api_id}-{i}", priority=req.priority,
