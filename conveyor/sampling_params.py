@@ -16,6 +16,44 @@ _GREEDY_EPS = 1e-5
 # model offered "any whitespace" can loop on newlines forever inside an otherwise valid object
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
+# Keywords whose value is one schema, a list of schemas, or a map of name -> schema (JSON Schema 2020-12 and
+# draft 7); a schema that uses any of _OPEN_KEYS says itself what other properties it allows, or takes its
+# properties from a composition that a closed sibling would contradict.
+_ONE_SCHEMA = ("items", "additionalItems", "unevaluatedItems", "contains", "not", "if", "then", "else",
+               "propertyNames", "additionalProperties", "unevaluatedProperties")
+_SCHEMA_LIST = ("anyOf", "oneOf", "prefixItems", "items")
+_SCHEMA_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf", "anyOf", "oneOf",
+              "$ref", "if", "dependentSchemas", "dependencies")
+
+
+def close_objects(schema, top: bool = True):
+    """`schema` with every object that lists its `properties` and says nothing about others closed
+    (`"additionalProperties": false`), as vLLM's default grammar backend (xgrammar's strict mode) and
+    OpenAI's `strict: true` treat them: under JSON Schema's own default (open objects) a small model
+    constrained to a schema keeps inventing keys until max_tokens. A closed object is always valid under
+    the open schema, so this only narrows what may be generated. Left as given: an object that states
+    `additionalProperties` (or patternProperties, unevaluatedProperties) itself, one whose properties also
+    come from allOf/anyOf/oneOf/$ref/if beside them, the several members of an `allOf` (each holds part of
+    the properties), and `{"type": "object"}` without `properties` (any object). Returns a copy."""
+    if isinstance(schema, list):
+        return [close_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAP and isinstance(value, dict):
+            out[key] = {name: close_objects(s) for name, s in value.items()}
+        elif key == "allOf" and isinstance(value, list):
+            out[key] = [close_objects(s, top=len(value) == 1) for s in value]
+        elif key in _ONE_SCHEMA or (key in _SCHEMA_LIST and isinstance(value, list)):
+            out[key] = close_objects(value)
+        else:
+            out[key] = value
+    if top and isinstance(out.get("properties"), dict) and not any(k in out for k in _OPEN_KEYS):
+        out["additionalProperties"] = False
+    return out
+
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
@@ -59,7 +97,7 @@ class StructuredOutputsParams:
             from conveyor.config import json_object
 
             what = "structured_outputs: the JSON schema"
-            schema = {"type": "object"} if kind == "json_object" else json_object(self.json, what)
+            schema = {"type": "object"} if kind == "json_object" else close_objects(json_object(self.json, what))
             return LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
         if kind == "regex":
             if not isinstance(self.regex, str):

@@ -11,6 +11,7 @@ import torch
 
 from conveyor import LLM, SamplingParams, StructuredOutputsParams
 from conveyor.runner.grammar_mask import GrammarMask
+from conveyor.sampling_params import close_objects
 
 SCHEMA = {"type": "object", "properties": {"k": {"type": "string", "maxLength": 6},
                                            "n": {"type": "integer", "minimum": 0, "maximum": 999}},
@@ -80,3 +81,51 @@ def test_invalid_constraints_raise_before_the_engine():
                {"json": {"type": "object"}, "regex": "a"}, {}):
         with pytest.raises(ValueError, match="structured_outputs"):
             StructuredOutputsParams(**kw)
+
+
+OPEN = {"type": "object", "properties": {"k": {"type": "string", "maxLength": 4},
+                                         "sub": {"type": "object", "properties": {"x": {"type": "integer"}}}}}
+
+
+def test_objects_that_list_their_properties_are_closed_by_default(llm):
+    """A schema that says nothing about other keys gets only its own (vLLM's xgrammar and OpenAI's strict
+    mode do the same); `additionalProperties: true` keeps JSON Schema's open object. Random sampling on
+    the random model: the open schema does get invented keys, so the closed run proves the default."""
+    prompts = [[7 + i, 3, 9] for i in range(8)]
+
+    def keys(schema: dict) -> list[tuple[set, set]]:
+        sp = SamplingParams(temperature=1.0, seed=11, max_tokens=120, n=4,
+                            structured_outputs=StructuredOutputsParams(json=schema))
+        out = []
+        for o in llm.generate(prompts, [sp] * len(prompts), use_tqdm=False):
+            for c in o.outputs:
+                if c.finish_reason == "stop":
+                    obj = json.loads(c.text)
+                    out.append((set(obj), set(obj.get("sub", {}) if isinstance(obj.get("sub"), dict) else {})))
+        return out
+
+    closed = keys(OPEN)
+    assert len(closed) >= 16 and all(k <= {"k", "sub"} and s <= {"x"} for k, s in closed), closed
+    opened = keys({**OPEN, "additionalProperties": True})
+    assert any(not k <= {"k", "sub"} for k, _ in opened), opened
+
+
+def test_close_objects_leaves_what_the_schema_decides():
+    assert close_objects(OPEN) == {**OPEN, "additionalProperties": False, "properties": {
+        "k": OPEN["properties"]["k"], "sub": {**OPEN["properties"]["sub"], "additionalProperties": False}}}
+    kept = [{"type": "object"},  # any object
+            {"type": "object", "properties": {}, "additionalProperties": {"type": "integer"}},
+            {"type": "object", "properties": {"a": {}}, "patternProperties": {"^x": {}}},
+            {"properties": {"a": {}}, "anyOf": [{"required": ["a"]}, {"required": ["b"]}]},
+            {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]},  # each holds part of them
+            {"type": "array", "items": {"type": "string"}}]
+    for schema in kept:
+        assert close_objects(schema) == schema
+    nested = {"$defs": {"P": {"properties": {"a": {}}}}, "anyOf": [{"$ref": "#/$defs/P"}, {"properties": {"b": {}}}],
+              "items": [{"properties": {"c": {}}}], "allOf": [{"properties": {"d": {}}}]}
+    got = close_objects(nested)
+    assert got["$defs"]["P"]["additionalProperties"] is False
+    assert got["anyOf"][1]["additionalProperties"] is False and "additionalProperties" not in got["anyOf"][0]
+    assert got["items"][0]["additionalProperties"] is False
+    assert got["allOf"][0]["additionalProperties"] is False  # a lone allOf member is the whole object
+    assert "additionalProperties" not in got and nested["$defs"]["P"] == {"properties": {"a": {}}}  # a copy
