@@ -44,6 +44,8 @@ from conveyor.server.lora import (
     runtime_updating_allowed,
 )
 from conveyor.server.metrics import CONTENT_TYPE, ServerMetrics
+from conveyor.server.responses import OpenAIServingResponses, install_responses_routes
+from conveyor.server.responses_store import ResponseStore
 from conveyor.server.serving import ServingContext, ServingOptions
 from conveyor.server.tenancy import TenantRule
 from conveyor.server.tokenization import OpenAIServingTokenization
@@ -63,11 +65,16 @@ class Endpoints:
     chat: OpenAIServingChat
     embeddings: OpenAIServingEmbedding
     tokenization: OpenAIServingTokenization
+    responses: OpenAIServingResponses
 
     @classmethod
-    def create(cls, ctx: ServingContext) -> Endpoints:
-        return cls(ctx, OpenAIServingCompletion(ctx), OpenAIServingChat(ctx), OpenAIServingEmbedding(ctx),
-                   OpenAIServingTokenization(ctx))
+    def create(cls, ctx: ServingContext, store: ResponseStore | None = None, keyed: bool = False) -> Endpoints:
+        """`store`: where /v1/responses keeps answers (default: the user's data directory, opened on first
+        use); `keyed`: the server checks API keys (a stored response then belongs to the key that made it)."""
+        chat = OpenAIServingChat(ctx)
+        return cls(ctx, OpenAIServingCompletion(ctx), chat, OpenAIServingEmbedding(ctx),
+                   OpenAIServingTokenization(ctx),
+                   OpenAIServingResponses(chat, store if store is not None else ResponseStore(None), keyed))
 
     @property
     def tokenizer(self):
@@ -112,7 +119,8 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
     options = ServingOptions(request_timeout=args.request_timeout, chat_template=chat_template, tool_parser=tool_parser,
                              pooling=args.pooling or default_pooling(engine_config.model),
                              tenant_rule=TenantRule.parse(args.tenant_key))
-    serving = Endpoints.create(ServingContext(aengine, [info.model_name], options))
+    store = ResponseStore(args.responses_dir, args.responses_max_stored, args.responses_max_age_days * 86400.0)
+    serving = Endpoints.create(ServingContext(aengine, [info.model_name], options), store, bool(args.api_key))
     ctx = serving.ctx
     try:  # a bad adapter is a startup error: stop the engine loop that is built and waiting
         loras = register_lora_modules(ctx, info.lora, args.lora_modules)
@@ -133,6 +141,7 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
         yield
         hub.close()
         await aengine.stop(timeout=10.0)
+        store.close()
 
     app = FastAPI(title="conveyor", version=conveyor.__version__, lifespan=lifespan, docs_url=None,
                   redoc_url=None, openapi_url=None)
@@ -173,6 +182,9 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
     async def embeddings(request: Request) -> Response:
         check_key(request)
         return await serving.embeddings.create(await read_json(request, args.max_request_bytes), request)
+
+    install_responses_routes(app, serving.responses, check_key,
+                             lambda request: read_json(request, args.max_request_bytes))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

@@ -24,7 +24,8 @@ from conveyor.config import EngineConfig
 KEEP_ALIVE_S = 20.0
 
 ENGINE_LOOPS = ("thread", "process", "inline")  # conveyor/engine/clients.py
-SERVER_GROUPS = {"server": "server", "tools": "tools and templates", "embeddings": "embeddings"}  # --help order
+SERVER_GROUPS = {"server": "server", "tools": "tools and templates", "embeddings": "embeddings",
+                 "responses": "the Responses API's store"}  # --help order
 
 
 def flag(default: Any, help: str | Callable[[], str] = "", group: str = "server", env: str | None = None,
@@ -114,6 +115,16 @@ class ServerArgs:
     pooling: str | None = flag(
         None, "/v1/embeddings pooling over the last hidden states (default: the model's sentence-transformers "
         "pooling config if it has one, else the last token)", "embeddings", choices=_pooling_choices)
+    # /v1/responses: conveyor/server/responses_store.py
+    responses_dir: str | None = flag(
+        None, "directory of the SQLite database that keeps /v1/responses answers for previous_response_id and "
+        "GET /v1/responses/{id}; several servers may share it (default: $CONVEYOR_RESPONSES_DIR, else "
+        "$XDG_DATA_HOME/conveyor/responses, else ~/.local/share/conveyor/responses)", "responses",
+        env="CONVEYOR_RESPONSES_DIR")
+    responses_max_stored: int = flag(
+        10000, "stored responses kept, the oldest dropped first (0: store none; previous_response_id then finds "
+        "nothing)", "responses", type=int)
+    responses_max_age_days: float = flag(30.0, "days a stored response is kept", "responses", type=float)
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> ServerArgs:

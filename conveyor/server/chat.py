@@ -6,12 +6,14 @@ import asyncio
 import math
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from conveyor.outputs import StepDelta
+from conveyor.sampling_params import SamplingParams
 from conveyor.server import protocol as P
 from conveyor.server import tools as T
 from conveyor.server.async_engine import Submission
@@ -19,28 +21,25 @@ from conveyor.server.http import bad_request
 from conveyor.server.serving import OpenAIServing, finite, parse_model, refuse_unsupported, usage_info
 from conveyor.server.streaming import SSEResponse, StreamCounts, StreamFormat, sse_event, stream_events
 
+Render = Callable[[P.ChatCompletionRequest, list[dict] | None], Awaitable[list[int]]]  # tools -> prompt ids
+
+
+@dataclass
+class ChatPrep:
+    """A checked chat request ready for the engine: its prompt, its sampling and how tools shape its output."""
+
+    ids: list[int]
+    params: SamplingParams
+    plan: T.ToolPlan
+
 
 class OpenAIServingChat(OpenAIServing):
     async def create(self, data: dict, request: Request) -> Response:
         req = parse_model(P.ChatCompletionRequest, data)
         refuse_unsupported(data, chat=True)
         self.check_model(req.model)
-        if req.top_logprobs and not req.logprobs:
-            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-        plan = await self._tool_plan(req)
-        ids = await self.render_chat(req, plan.template_tools())
-        max_tokens = req.max_completion_tokens or req.max_tokens
-        if max_tokens is None:
-            max_tokens = max(self.max_model_len - len(ids), 1)
-        structured = await self.structured_outputs(req)
-        if plan.structured is not None:
-            if structured is not None:
-                raise bad_request(f"tool_choice {plan.mode} constrains the output itself: drop the other output "
-                                  "constraint", "tool_choice")
-            structured = plan.structured
-        params = self.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
-                                      structured=structured)
-        self.check_prompt(ids, params, "messages")
+        prep = await self.prepare(req)
+        ids, params, plan = prep.ids, prep.params, prep.plan
         api_id = f"chatcmpl-{uuid.uuid4().hex}"
         sub = self.submit(api_id, self.engine_requests(api_id, [ids], params, req, request.headers,
                                                        lora=self.lora_for(req.model)))
@@ -66,6 +65,28 @@ class OpenAIServingChat(OpenAIServing):
         usage = usage_info(len(ids), completion_tokens, out[0].num_cached_tokens)
         body = P.ChatCompletionResponse(id=api_id, model=model, choices=choices, usage=usage)
         return Response(body.model_dump_json(), media_type="application/json")
+
+    async def prepare(self, req: P.ChatCompletionRequest, render: Render | None = None) -> ChatPrep:
+        """Everything between a parsed chat request and the engine: its tools, its prompt through the chat
+        template (`render`, default `render_chat`: the Responses API passes its own, which reuses a stored
+        turn's tokens), its output constraint and its sampling; any problem is a 400 naming the field."""
+        if req.top_logprobs and not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        plan = await self._tool_plan(req)
+        ids = await (render or self.render_chat)(req, plan.template_tools())
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        if max_tokens is None:
+            max_tokens = max(self.max_model_len - len(ids), 1)
+        structured = await self.structured_outputs(req)
+        if plan.structured is not None:
+            if structured is not None:
+                raise bad_request(f"tool_choice {plan.mode} constrains the output itself: drop the other output "
+                                  "constraint", "tool_choice")
+            structured = plan.structured
+        params = self.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
+                                      structured=structured)
+        self.check_prompt(ids, params, "messages")
+        return ChatPrep(ids, params, plan)
 
     async def _tool_plan(self, req: P.ChatCompletionRequest) -> T.ToolPlan:
         """How tools shape this request (checks its schemas off the event loop: milliseconds each)."""

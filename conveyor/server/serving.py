@@ -241,6 +241,10 @@ class OpenAIServing:
 
     async def render_chat(self, req: P.ChatCompletionRequest, tools: list[dict] | None = None) -> list[int]:
         """A conversation's token ids through the chat template (`--chat-template`, else the tokenizer's)."""
+        return await self.tokenize(self.chat_text(req, tools), False, "messages")
+
+    def chat_text(self, req: P.ChatCompletionRequest, tools: list[dict] | None = None) -> str:
+        """A conversation rendered by the chat template, as text."""
         chat_template = self.options.chat_template
         if chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
             raise bad_request("this model has no chat template; use /v1/completions", "messages")
@@ -260,7 +264,7 @@ class OpenAIServing:
             raise bad_request(f"messages could not be rendered with the chat template: {e}", "messages") from None
         if not isinstance(text, str):
             raise bad_request("the chat template did not render to text", "messages")
-        return await self.tokenize(text, False, "messages")
+        return text
 
     # --- to the engine and back -----------------------------------------------------------------------
     def engine_requests(self, api_id: str, prompts: Sequence[list[int]], params: SamplingParams,

@@ -81,6 +81,10 @@ class StreamFormat:
         """One delta of one sequence."""
         raise NotImplementedError
 
+    async def complete(self, counts: StreamCounts) -> None:
+        """After the last delta, before `finish`: work the last events must wait for (the Responses API
+        stores the answer here, so that a continuation sent the moment the stream ends finds it)."""
+
     def finish(self, counts: StreamCounts) -> Iterable[str]:
         """After the last delta (or after a request's own error event): usage, if the client asked for it."""
         return ()
@@ -109,6 +113,8 @@ async def stream_events(sub: Submission, deltas: AsyncIterator[StepDelta], fmt: 
             counts.add(d)
             for ev in fmt.delta(d):
                 yield ev
+        else:
+            await fmt.complete(counts)
         for ev in fmt.finish(counts):
             yield ev
     except (TimeoutError, asyncio.TimeoutError):  # --request-timeout: abort (finally) and say so in-band

@@ -9,6 +9,7 @@ subprocess instead.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import socket
@@ -135,6 +136,8 @@ def tiny_config(model_dir, **overrides) -> EngineConfig:
 @contextlib.contextmanager
 def run_server(config: EngineConfig, args: ServerArgs | None = None) -> Iterator[Server]:
     args = args or ServerArgs()
+    if args.responses_dir is None:  # never the user's own store (~/.local/share/conveyor/responses)
+        args = dataclasses.replace(args, responses_dir=tempfile.mkdtemp(prefix="conveyor-responses-"))
     app = build_app(config, args)
     sock = free_socket()
     port = sock.getsockname()[1]

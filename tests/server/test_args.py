@@ -17,6 +17,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def test_defaults_are_the_dataclass_defaults(monkeypatch) -> None:
     monkeypatch.delenv("CONVEYOR_API_KEY", raising=False)
     monkeypatch.delenv("CONVEYOR_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
+    monkeypatch.delenv("CONVEYOR_RESPONSES_DIR", raising=False)
     assert ServerArgs.from_namespace(parse([])) == ServerArgs()
 
 
