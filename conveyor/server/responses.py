@@ -131,6 +131,8 @@ def chat_request(req: R.ResponsesRequest, messages: list[dict]) -> dict:
     elif req.tool_choice not in (None, "none", "auto"):
         raise bad_request("tool_choice needs tools", "tool_choice")
     fmt = req.text.format if req.text else None
+    if req.tools and req.tool_choice not in (None, "none", "auto"):
+        fmt = None  # the answer is a forced call, with no text for text.format to shape (as OpenAI does)
     if fmt is not None and fmt.type == "json_object":
         chat["response_format"] = {"type": "json_object"}
     elif fmt is not None and fmt.type == "json_schema":

@@ -18,6 +18,7 @@ ENDPOINTS = {
     "completions": ("/completions", {"prompt": "hello there", "max_tokens": 2}),
     "chat": ("/chat/completions", {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 2}),
     "embeddings": ("/embeddings", {"input": "hello there"}),
+    "responses": ("/responses", {"input": "hello there", "max_output_tokens": 2, "store": False}),
 }
 FIELDS = {"user": "alice", "priority": 3, "cache_salt": "salt-a", "slo_ttft_ms": 250, "slo_tpot_ms": 40.5}
 

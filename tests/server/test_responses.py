@@ -131,6 +131,11 @@ def test_named_and_required_function_calls_validate(rclient):
         assert call.call_id.startswith("call_") and call.id.startswith("fc_") and call.status == "completed"
         assert call.name == "add" or choice == "required"
         jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    # a forced call has no text for text.format to shape: OpenAI takes both (instructor's RESPONSES_TOOLS sends both)
+    r = rclient.responses.create(model=MODEL, input="add", tools=TOOLS, tool_choice={"type": "function", "name": "add"},
+                                 text={"format": {"type": "json_schema", "name": "x", "schema": WEATHER}},
+                                 max_output_tokens=120)
+    jsonschema.validate(json.loads(r.output[0].arguments), SUM)
 
 
 def test_a_streamed_call_and_its_result_sent_back(rclient):
@@ -274,6 +279,32 @@ def test_bad_requests_name_the_field(rserver, body, status, param, says):
     ok = httpx.post(rserver.base_url + "/responses", headers={"Authorization": f"Bearer {KEYS[0]}"}, timeout=30,
                     json={"model": MODEL, "input": "still there?", "max_output_tokens": 2})
     assert ok.status_code == 200, ok.text
+
+
+def test_a_request_that_fails_alone_fails_in_the_responses_shape(rserver, rclient, monkeypatch):
+    """A failure tied to one request (here its detokenizing): a 500 whole, or in the stream an `error` event and
+    `response.failed` (the SDK's stream helper hands both out); the engine serves everyone else meanwhile."""
+    engine = rserver.app.state.engine.client.engine
+    real = engine.detok.decode_token
+
+    def decode_token(req, token):
+        if req.request_id.startswith("resp_"):
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected by the test")
+        return real(req, token)
+
+    monkeypatch.setattr(engine.detok, "decode_token", decode_token)
+    with pytest.raises(openai.InternalServerError) as e:
+        rclient.responses.create(model=MODEL, input="hi", max_output_tokens=4)
+    assert e.value.body["code"] == "request_failed"
+    with rclient.responses.stream(model=MODEL, input="hi", max_output_tokens=4) as stream:
+        events = list(stream)
+    assert [e.type for e in events] == ["response.created", "response.in_progress", "error", "response.failed"]
+    assert events[2].code == "request_failed" and "injected by the test" in events[2].message
+    assert events[3].response.status == "failed" and events[3].response.error.code == "request_failed"
+    assert [e.sequence_number for e in events] == [0, 1, 2, 3]
+    chat = rclient.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    rserver.wait_idle()
 
 
 def test_an_unwritable_store_loses_no_answer(tiny_llama, tmp_path, caplog):
