@@ -203,10 +203,10 @@ def test_openai_sdk_streams_and_continues(client):
     assert [i.type for i in client.responses.input_items.list(more.id)] == ["message"] * 3
 
 
-def test_agents_sdk_responses_model_streams_and_returns_structured_output(url):
+def test_agents_sdk_responses_model_streams_calls_and_returns_structured_output(url):
     import asyncio
 
-    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool
     from openai.types.responses import ResponseTextDeltaEvent
 
     async def streamed() -> tuple[str, str]:
@@ -218,8 +218,28 @@ def test_agents_sdk_responses_model_streams_and_returns_structured_output(url):
                   if e.type == "raw_response_event" and isinstance(e.data, ResponseTextDeltaEvent)]
         return "".join(deltas), run.final_output
 
+    async def streamed_call() -> tuple[list[str], str]:  # the function_call item's events, through the SDK
+        agent = Agent(name="w", instructions="Use the tool.", tools=[get_weather],
+                      tool_use_behavior="stop_on_first_tool",
+                      model=OpenAIResponsesModel(model=MODEL, openai_client=async_client(url)),
+                      model_settings=ModelSettings(tool_choice="get_weather", temperature=0, max_tokens=60))
+        run = Runner.run_streamed(agent, "What's the weather in Paris?")
+        kinds = [e.data.type async for e in run.stream_events() if e.type == "raw_response_event"]
+        return kinds, run.final_output
+
+    calls = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """Current weather in a city."""
+        calls.append(city)
+        return f"18 C in {city}"
+
     text, final = asyncio.run(streamed())
     assert text == final and final
+    kinds, final = asyncio.run(streamed_call())
+    assert "response.function_call_arguments.delta" in kinds and kinds[-1] == "response.completed"
+    assert len(calls) == 1 and final == f"18 C in {calls[0]}"
     agent = Agent(name="s", instructions="Answer in JSON.", output_type=City,
                   model=OpenAIResponsesModel(model=MODEL, openai_client=async_client(url)),
                   model_settings=ModelSettings(temperature=0, max_tokens=60))
@@ -264,8 +284,10 @@ def test_langchain_openai(url):
     for method in ("json_schema", "function_calling"):
         out = ChatOpenAI(max_tokens=60, **kw).with_structured_output(City, method=method).invoke(QUESTION)
         assert isinstance(out, City), method
-    responses = ChatOpenAI(max_tokens=24, use_responses_api=True, **kw).invoke(QUESTION)
+    on_responses = ChatOpenAI(max_tokens=24, use_responses_api=True, **kw)
+    responses = on_responses.invoke(QUESTION)
     assert responses.response_metadata["id"].startswith("resp_") and responses.text
+    assert "".join(c.text for c in on_responses.stream(QUESTION)) == responses.text
     # check_embedding_ctx_length=False: no tiktoken (whose encodings it would download)
     vectors = OpenAIEmbeddings(model=MODEL, base_url=url + "/v1", api_key="none", check_embedding_ctx_length=False,
                                max_retries=0).embed_documents(["hello world", "a cat sat on the mat"])
