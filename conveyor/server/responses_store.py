@@ -50,6 +50,9 @@ CREATE TABLE IF NOT EXISTS responses (
 CREATE INDEX IF NOT EXISTS responses_by_age ON responses (created_at);
 """
 T = TypeVar("T")
+# what a store that cannot be used raises: the database's errors, the file system's, and the worker pool's
+# refusal once the server has shut it down
+_FAILURES = (sqlite3.Error, OSError, RuntimeError)
 
 
 def default_dir() -> Path:
@@ -164,7 +167,7 @@ class ResponseStore:
         try:
             await self._run(self._put, owner, row, time.time())
             return True
-        except (sqlite3.Error, OSError) as e:
+        except _FAILURES as e:
             log.warning("response %s was answered but not stored (%s: %s): %s", row.id, type(e).__name__, e,
                         self.path)
             return False
@@ -176,7 +179,7 @@ class ResponseStore:
             return None
         try:
             return await self._run(self._get, owner, response_id)
-        except (sqlite3.Error, OSError) as e:
+        except _FAILURES as e:
             log.warning("the response store could not be read (%s: %s): %s", type(e).__name__, e, self.path)
             return None
 
@@ -185,7 +188,7 @@ class ResponseStore:
             return False
         try:
             return await self._run(self._delete, owner, response_id)
-        except (sqlite3.Error, OSError) as e:
+        except _FAILURES as e:
             log.warning("the response store could not be written (%s: %s): %s", type(e).__name__, e, self.path)
             return False
 
