@@ -121,12 +121,12 @@ def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP, scale_dtype: torch.d
     return QuantizedWeight(4, q.reshape(n, k), scale, zero, group)
 
 
-QUANT_CHUNK_BYTES = 64 * 2**20  # fp32 bytes of weight quantized at a time
+QUANT_CHUNK_BYTES = 16 * 2**20  # fp32 bytes of weight quantized at a time
 
 
 def quantize(w: torch.Tensor, method: str, scale_dtype: torch.dtype) -> QuantizedWeight:
     """`w` quantized a chunk of rows at a time (every row on its own: the same integers as in one go), so the
-    fp32 temporaries stay at ~64 MB whatever the weight (an 8B model's LM head is 2 GB in fp32)."""
+    fp32 temporaries stay at a few times 16 MB whatever the weight (an 8B model's LM head is 2 GB in fp32)."""
     if method == "int8":
         fn = lambda rows: quantize_int8(rows, scale_dtype)  # noqa: E731
     elif method == "int4":
@@ -241,9 +241,16 @@ class QuantizedLinear(nn.Module):
 
     def make_dense(self) -> None:
         """Build the dense copy (the dequantized weight in the model's dtype) for large steps."""
-        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
+        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        ref = self.reference_weight
+        w = torch.empty(self.out_features, self.in_features, dtype=self.dtype)
+        step = max(16, QUANT_CHUNK_BYTES // (4 * self.in_features))  # fp32 temporaries of one chunk of rows
+        for a in range(0, self.out_features, step):
+            part = QuantizedWeight(ref.bits, ref.q[a:a + step], ref.scale[a:a + step],
+                                   None if ref.zero is None else ref.zero[a:a + step], ref.group)
+            w[a:a + step] = part.dequantize()
         with torch.no_grad():
-            lin.weight = nn.Parameter(self.reference_weight.dequantize().to(self.dtype), requires_grad=False)
+            lin.weight = nn.Parameter(w, requires_grad=False)
             if self.bias is not None:
                 lin.bias = nn.Parameter(self.bias, requires_grad=False)
         self.dense = PackedLinear(lin) if packing_available(torch.device("cpu"), self.dtype) else lin
