@@ -87,6 +87,8 @@ def parse_log(text: str) -> dict:
         out["weights_gib"] = out.get("weights_gib", 0.0) + float(m[1])
     if m := re.search(r"KV cache: \S+, (\d+) blocks of (\d+) tokens = (\d+) tokens \(([\d.]+) GiB\)", text):
         out.update(kv_blocks=int(m[1]), kv_tokens=int(m[3]), kv_gib=float(m[4]))
+    if m := re.search(r"GiB\): (\d+) full-length sequences of (\d+) tokens", text):
+        out.update(kv_full_length_sequences=int(m[1]), max_model_len=int(m[2]))
     if m := re.search(r"KV cache: ([\d.]+) GiB of pages faulted in at startup in ([\d.]+) s", text):
         out["kv_fault_s"] = float(m[2])
     if m := re.search(r"KV pool: ([\d.]+) GiB by default, (.*)", text):

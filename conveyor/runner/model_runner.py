@@ -57,7 +57,7 @@ from conveyor.runner.sampler import SampleResult, sample
 
 log = logging.getLogger("conveyor.runner")
 
-KV_POPULATE_SYNC_BYTES = 1 << 30  # of the pool faulted in before the engine serves (populate_kv)
+KV_POPULATE_SYNC_BYTES = 256 << 20  # of the pool faulted in before the engine serves (populate_kv)
 _DTYPES = {name: getattr(torch, name) for name in DTYPES if name != "auto"}
 
 
@@ -317,9 +317,11 @@ class ModelRunner:
         if config.kv_cache_populate:
             startup.phase(startup.FILLING_KV)
             self.populate_kv()
-        log.info("KV cache: %s, %d blocks of %d tokens = %d tokens (%.2f GiB)", self.kv_dtype_name,
-                 self.num_blocks, self.block_size, self.num_blocks * self.block_size,
-                 self.num_blocks * self.bytes_per_block / 2**30)
+        tokens = self.num_blocks * self.block_size
+        full = config.max_model_len or min(cfg.max_position_embeddings, tokens)
+        log.info("KV cache: %s, %d blocks of %d tokens = %d tokens (%.2f GiB): %d full-length sequences of %d tokens",
+                 self.kv_dtype_name, self.num_blocks, self.block_size, tokens,
+                 self.num_blocks * self.bytes_per_block / 2**30, tokens // full, full)
 
     @property
     def kv_dtype_name(self) -> str:
