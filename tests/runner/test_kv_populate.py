@@ -79,3 +79,27 @@ def test_cli_default_depends_on_the_command():
     populate = {"kv_cache_populate": True}
     assert engine_config_from_args(parse(["--no-kv-cache-populate"]), populate).kv_cache_populate is False
     assert engine_config_from_args(parse(["--kv-cache-populate"])).kv_cache_populate is True
+
+
+def test_beyond_the_first_part_the_pool_is_faulted_in_in_the_background(tiny_llama, monkeypatch, caplog):
+    """Only the blocks handed out first are faulted in before the engine serves; the rest follows on a thread,
+    contents unchanged, and a new pool stops it (the knob lab rebuilds pools)."""
+    import logging
+
+    import conveyor.runner.model_runner as model_runner
+
+    monkeypatch.setattr(model_runner, "KV_POPULATE_SYNC_BYTES", 16 * 2**20)
+    before = rss()
+    with caplog.at_level(logging.INFO, logger="conveyor.runner"):
+        llm = make(tiny_llama, True)
+        runner = llm.engine.runner
+        thread, _ = runner._populate_job
+        thread.join(timeout=60)
+    pool = llm.engine.info.num_kv_blocks * llm.engine.info.bytes_per_block
+    assert "on a background thread" in caplog.text and "the rest of the pool" in caplog.text
+    assert rss() - before > 0.9 * pool
+    assert llm.engine.kv_pool_is_zero()
+    runner.allocate_kv_cache(llm.engine.config)  # a new pool: the old job is stopped and joined first
+    assert runner._populate_job is None or runner._populate_job[0] is not thread
+    out = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
