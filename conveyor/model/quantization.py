@@ -104,8 +104,9 @@ def quantize_int8(w: torch.Tensor, scale_dtype: torch.dtype = torch.float32) -> 
     """Symmetric, one scale per output channel. The scale is rounded to the kernel's dtype first and q
     chosen for the rounded scale, so the weight the kernel sees is the one `dequantize()` describes."""
     w = w.float()
-    scale = _round_to((w.abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-12), scale_dtype)
-    q = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
+    lo, hi = torch.aminmax(w, dim=1, keepdim=True)  # max |w| = max(-min, max), in one pass
+    scale = _round_to((torch.maximum(-lo, hi) / 127).clamp(min=1e-12), scale_dtype)
+    q = (w / scale).round_().clamp_(-127, 127).to(torch.int8)  # in place after the first: fewer passes
     return QuantizedWeight(8, q, scale, None, w.shape[1])
 
 
@@ -113,11 +114,11 @@ def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP, scale_dtype: torch.d
                   ) -> QuantizedWeight:
     """Asymmetric per group of `group` inputs (as GGUF's Q4_1): 16 levels from the group's min to max."""
     n, k = w.shape
-    g = w.float().reshape(n, k // group, group)
-    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    g = w.to(torch.float32, copy=True).reshape(n, k // group, group)  # a copy: rewritten in place below
+    lo, hi = torch.aminmax(g, dim=-1)
     scale = _round_to(((hi - lo) / 15).clamp(min=1e-12), scale_dtype)
     zero = _round_to(lo + 8 * scale, scale_dtype)  # w = (q - 8) * scale + zero, so q = 0 gives lo
-    q = torch.round((g - zero[..., None]) / scale[..., None] + 8).clamp(0, 15).to(torch.uint8)
+    q = g.sub_(zero[..., None]).div_(scale[..., None]).add_(8).round_().clamp_(0, 15).to(torch.uint8)
     return QuantizedWeight(4, q.reshape(n, k), scale, zero, group)
 
 

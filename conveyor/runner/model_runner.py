@@ -240,6 +240,12 @@ class ModelRunner:
     def _check_memory(self, config: EngineConfig, pack: bool) -> None:
         """Refuse a start that cannot fit before reading any weight (runner/memory.py)."""
         cfg = self.model_config
+        if config.max_model_len and (config.num_kv_blocks is not None or config.kv_cache_memory is not None):
+            blocks = (config.num_kv_blocks if config.num_kv_blocks is not None
+                      else int(config.kv_cache_memory * 2**30 // self.block_bytes(config.block_size)))
+            if blocks * config.block_size < config.max_model_len:  # as LLMEngine says it, but before loading
+                raise ValueError(f"max_model_len ({config.max_model_len}) is larger than the KV cache can hold "
+                                 f"({blocks * config.block_size} tokens); raise kv_cache_memory")
         elem = torch.empty((), dtype=self.dtype).element_size()
         weights = estimate_weight_bytes(cfg, elem, config.quantization, pack)
         int4 = estimate_weight_bytes(cfg, elem, "int4", pack) if self.quantization != "int4" else None

@@ -83,3 +83,12 @@ def test_explicit_sizes_are_kept(tiny_llama, monkeypatch):
     info = LLM(str(tiny_llama), dtype="float32", max_model_len=256, kv_cache_memory=0.01).engine.info
     assert info.num_kv_blocks == int(0.01 * GiB // info.bytes_per_block)
     assert LLM(str(tiny_llama), dtype="float32", max_model_len=256, num_kv_blocks=40).engine.info.num_kv_blocks == 40
+
+
+def test_an_explicit_pool_shorter_than_max_model_len_is_refused_before_reading(tiny_llama, monkeypatch):
+    reads = []
+    real = SafetensorsSource.read
+    monkeypatch.setattr(SafetensorsSource, "read", lambda self, *a, **k: reads.append(a[0]) or real(self, *a, **k))
+    with pytest.raises(ValueError, match=r"max_model_len \(256\) is larger than the KV cache can hold \(128 tokens\)"):
+        LLM(str(tiny_llama), dtype="float32", max_model_len=256, num_kv_blocks=8)
+    assert reads == []
