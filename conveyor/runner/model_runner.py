@@ -234,7 +234,12 @@ class ModelRunner:
             counts["packed"] += 1
             return PackedLinear(lin)
 
-        model.load_weights(source.names(), read, make_linear)
+        def make_linear_and_trim(*args) -> nn.Module:
+            module = make_linear(*args)
+            _trim_heap()  # this layer's source buffers are free now
+            return module
+
+        model.load_weights(source.names(), read, make_linear_and_trim)
         return counts
 
     def _check_memory(self, config: EngineConfig, pack: bool) -> None:
@@ -625,6 +630,18 @@ def _libc() -> ctypes.CDLL | None:
         return libc
     except (OSError, AttributeError):
         return None
+
+
+def _trim_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc's `malloc_trim`, which also releases whole free
+    pages inside the heap). Loading frees a source buffer per layer; those below glibc's mmap threshold (which
+    rises up to 32 MB as larger blocks are freed: a 3B model's fused q/k/v is 31.5 MB) come from the heap, whose
+    holes otherwise stay resident after the load (~0.8 GB on the 3B shape)."""
+    libc = _libc()
+    trim = getattr(libc, "malloc_trim", None) if libc is not None else None
+    if trim is not None:
+        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+        trim(0)
 
 
 def _populate_rest(tensors: list[torch.Tensor], first_block: int, total: int, stop: threading.Event) -> None:
