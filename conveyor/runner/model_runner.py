@@ -139,6 +139,7 @@ class ModelRunner:
         if config.quantization:
             budget = int(DENSE_COPY_SHARE * available_ram()) if self.device.type == "cpu" else None
             threshold = tune_dense_threshold(self.model, config.max_num_batched_tokens, budget)
+            _trim_heap()  # the dense copies' fp32 temporaries and the timing's inputs
             dense = sum(dense_copy_bytes(m) for m in self.model.modules()
                         if isinstance(m, QuantizedLinear) and m.dense is not None)
             log.info("weights: %s (%d linear layers, %d kept as the checkpoint ships them); %s%s",
