@@ -76,7 +76,7 @@ def gguf_tensor(tmp_path, qtype: str, rows: int, cols: int) -> tuple[GGUFTensor,
     return GGUFTensor(str(f), "blk.0.ffn_up.weight", qtype, (rows, cols), 16, raw.nbytes), want
 
 
-@pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0"])
+@pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0", "Q4_1"])
 def test_gguf_rows_dequantize_as_gguf_py_does(tmp_path, qtype):
     rows, cols = 24, 256
     t, want = gguf_tensor(tmp_path, qtype, rows, cols)
