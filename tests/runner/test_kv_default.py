@@ -46,21 +46,26 @@ def test_no_room_for_one_sequence_is_refused():
 def test_weight_estimate_matches_what_the_runner_holds(tiny_llama, monkeypatch):
     """The refusal is only as good as the estimate: it matches the loaded model's bytes for every mode."""
     monkeypatch.setenv("CONVEYOR_QUANT_DENSE_ABOVE", "none")
+    import torch
+
+    from conveyor.model.packed_linear import packing_available
+
+    packed = packing_available(torch.device("cpu"), torch.bfloat16)
     for quantization in (None, "int8", "int4"):
         llm = LLM(str(tiny_llama), dtype="bfloat16", num_kv_blocks=8, max_model_len=64, quantization=quantization)
-        r = llm.engine.runner
-        est = estimate_weight_bytes(llm.engine.model_config, 2, quantization, r.packed_linears > 0)
-        assert abs(est - r.weight_bytes) <= 0.01 * r.weight_bytes, (quantization, est, r.weight_bytes)
+        held = llm.engine.info.weight_bytes
+        est = estimate_weight_bytes(llm.engine.model_config, 2, quantization, packed)
+        assert abs(est - held) <= 0.01 * held, (quantization, est, held)
 
 
 def test_default_pool_is_sized_and_logged(tiny_llama, monkeypatch, caplog):
     monkeypatch.setattr(model_runner, "available_ram", lambda: 8 * GiB)
     with caplog.at_level(logging.INFO, logger="conveyor.runner"):
         llm = LLM(str(tiny_llama), dtype="float32", max_model_len=256)
-    info, r = llm.engine.info, llm.engine.runner
+    info = llm.engine.info
     pool = info.num_kv_blocks * info.bytes_per_block
     # the tiny model's weights are ~0.5 MB: 4x them is less than every seat at 256 tokens and than free RAM
-    want = max(KV_WEIGHT_MULTIPLE * r.weight_bytes, 256 * r.block_bytes(1))
+    want = max(KV_WEIGHT_MULTIPLE * info.weight_bytes, 256 * info.bytes_per_block // info.block_size)
     assert want - info.bytes_per_block < pool <= want
     assert "KV pool:" in caplog.text and "4x the weights" in caplog.text
     assert f"{info.num_kv_blocks * 16 // 256} full-length sequences of 256 tokens" in caplog.text
