@@ -423,6 +423,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def running_group_ids(self) -> list[str]:
+        """The groups in the running batch (scheduled, prefilling or decoding): what a failed step was working on."""
+        return sorted({r.group_id for r in self.scheduler.running})
+
     # --- the step -----------------------------------------------------------------------------------
     def step(self) -> StepOutput:
         start = time.monotonic()
