@@ -20,7 +20,7 @@ from conveyor.pooling import PoolingParams
 from conveyor.sampling_params import SamplingParams
 from conveyor.server import protocol as P
 from conveyor.server.async_engine import AddRequest, EngineDeadError
-from conveyor.server.serving import ApiError, OpenAIServing, bad_request, parse_model, wait_disconnect
+from conveyor.server.serving import ApiError, OpenAIServing, bad_request, engine_error, parse_model, wait_disconnect
 
 MAX_INPUTS = 2048  # as OpenAI
 
@@ -91,7 +91,7 @@ async def create_embeddings(serving: OpenAIServing, data: dict, request: Request
     try:
         work.result()
     except EngineDeadError as e:
-        raise ApiError(503, str(e), "service_unavailable", code="engine_dead") from None
+        raise engine_error(e) from None
     except (TimeoutError, asyncio.TimeoutError):
         raise serving.timeout_error() from None
     if errors or any(v is None for v in vectors):

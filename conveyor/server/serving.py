@@ -28,7 +28,14 @@ from conveyor.outputs import FinishReason, RequestOutput
 from conveyor.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
 from conveyor.server import protocol as P
 from conveyor.server import tools as T
-from conveyor.server.async_engine import AddRequest, AsyncEngine, EngineDeadError, QueueFullError, Submission
+from conveyor.server.async_engine import (
+    AddRequest,
+    AsyncEngine,
+    EngineDeadError,
+    QueueFullError,
+    Submission,
+    engine_answer,
+)
 from conveyor.server.tenancy import TenantRule, slo_seconds
 
 _TOKENIZE_IN_THREAD_CHARS = 4096  # longer prompts are tokenized off the event loop
@@ -49,6 +56,13 @@ class ApiError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def engine_error(e: EngineDeadError) -> ApiError:
+    """The answer to a call the engine cannot serve: 503 engine_dead, 503 loading or draining (with
+    Retry-After) while it restarts or the server drains, 500 engine_restarted if it died under the call."""
+    status, type_, code, headers = engine_answer(e)
+    return ApiError(status, str(e), type_, code=code, headers=headers)
 
 
 def bad_request(message: str, param: str | None = None) -> ApiError:
@@ -280,7 +294,7 @@ class OpenAIServing:
         except QueueFullError as e:  # Retry-After: about when a queue of this length has moved on
             raise ApiError(429, str(e), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
         except EngineDeadError as e:
-            raise ApiError(503, str(e), "service_unavailable", code="engine_dead") from None
+            raise engine_error(e) from None
 
     def token_str(self, token_id: int) -> str:
         s = self._token_strs.get(token_id)
@@ -327,7 +341,7 @@ class OpenAIServing:
         try:
             outs = work.result()
         except EngineDeadError as e:
-            raise ApiError(503, str(e), "service_unavailable", code="engine_dead") from None
+            raise engine_error(e) from None
         if errors:  # a failure tied to this request alone (the engine goes on): OpenAI's 500
             raise ApiError(500, f"the request failed in the engine: {errors[0]}", "internal_error",
                            code="request_failed")
@@ -359,7 +373,7 @@ class OpenAIServing:
     @staticmethod
     def _error_event(e: BaseException) -> str:
         if isinstance(e, EngineDeadError):
-            body = P.error_body(str(e), "service_unavailable", code="engine_dead")
+            body = engine_error(e).body()
         else:
             body = P.error_body(f"internal error: {e!r}", "internal_error", code="internal_error")
         return f"data: {json.dumps(body)}\n\n"
