@@ -113,11 +113,6 @@ class EngineReplica:
         if self.engine.state == "dead":
             raise RuntimeError(f"the engine is dead: {self.engine.error!r}")
 
-    async def drain(self) -> int:
-        """Take no new requests (503 draining; the ingress stops routing here); returns the requests in flight."""
-        self.engine.drain()
-        return self.engine.in_flight
-
     async def __del__(self) -> None:
         with contextlib.suppress(Exception):
             await self.engine.stop(timeout=2.0)
