@@ -114,7 +114,8 @@ def thread_mode(model: str, name: str, kills: int, extra: list[str], log) -> dic
     proc.wait(60)
     from conveyor.cli import build_parser
     from conveyor.engine.args import engine_config_from_args
-    from conveyor.server.api_server import GracefulServer, ServerArgs, build_app
+    from conveyor.server.api_server import ServerArgs, build_app
+    from conveyor.server.launch import GracefulServer
 
     ns = build_parser().parse_args(["serve", "--model", model, "--served-model-name", name, *extra])
     cfg = engine_config_from_args(ns, {"kv_cache_populate": True}, served_model_name=name)

@@ -17,7 +17,6 @@ from enum import StrEnum
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.messages import (
     AbortRequest,
-    AddRequest,
     Command,
     EndInput,
     FailedAdd,
@@ -28,6 +27,8 @@ from conveyor.engine.messages import (
     Stop,
     UnloadLoRA,
 )
+from conveyor.kv_cache.kv_map import kv_map
+from conveyor.request import EngineRequest
 from conveyor.scheduler.policies import policy_options
 
 log = logging.getLogger("conveyor.engine")
@@ -58,13 +59,10 @@ class EngineLoop:
     def _handle(self, cmd: Command, out: LoopOutput) -> bool:
         """Apply one command; False when it is `Stop`."""
         e = self.engine
-        if isinstance(cmd, AddRequest):
-            out.added += cmd.params.n
+        if isinstance(cmd, EngineRequest):
+            out.added += cmd.num_sequences
             try:
-                e.add_request(cmd.prompt_token_ids, cmd.params, request_id=cmd.request_id, priority=cmd.priority,
-                              arrival_time=cmd.arrival_time, cache_salt=cmd.cache_salt, pooling=cmd.pooling,
-                              tenant=cmd.tenant, slo_ttft_s=cmd.slo_ttft_s, slo_tpot_s=cmd.slo_tpot_s,
-                              lora_request=cmd.lora_request)
+                e.add_request(cmd)
             except Exception as exc:  # validated by the caller, so a bug or a race: keep the engine alive
                 out.failed.append(FailedAdd(cmd.request_id, f"{type(exc).__name__}: {exc}"))
         elif isinstance(cmd, AbortRequest):
@@ -74,7 +72,7 @@ class EngineLoop:
         elif isinstance(cmd, UnloadLoRA):
             e.remove_lora(cmd.lora_int_id)
         elif isinstance(cmd, SnapshotKV):
-            out.kv_map = e.kv_map(cmd.max_cells)
+            out.kv_map = kv_map(e.kv.pool, cmd.max_cells)
         elif isinstance(cmd, SetScheduler):
             try:
                 cfg = e.set_scheduler(cmd.name, cmd.options)

@@ -1,6 +1,7 @@
 """The engine loop's typed messages: commands in, outputs out (`loop.py` runs them, `clients.py` carries them).
 
-Commands: `AddRequest`, `AbortRequest`, `EndInput`, `SnapshotKV`, `SetScheduler`, `UnloadLoRA`, `Stop`.
+Commands: `EngineRequest` (`conveyor/request.py`: the one request record, added as it is), `AbortRequest`,
+`EndInput`, `SnapshotKV`, `SetScheduler`, `UnloadLoRA`, `Stop`.
 After each step (and after commands that change the engine while it is idle) the loop emits one `LoopOutput`:
 the step's deltas and stats, a snapshot of the engine's counters, and any failed adds. An engine process
 says `EnginePhase` as it loads, then `EngineReady` (or `EngineFailed`). Every message is a plain record
@@ -11,30 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from conveyor.engine.llm_engine import EngineInfo, EngineSnapshot, KVMap, StepStats
-from conveyor.lora.request import LoRARequest
+from conveyor.engine.llm_engine import EngineInfo, EngineSnapshot, StepStats
+from conveyor.kv_cache.kv_map import KVMap
 from conveyor.outputs import StepDelta
-from conveyor.pooling import PoolingParams
-from conveyor.sampling_params import SamplingParams
-
-
-@dataclass
-class AddRequest:
-    """One engine request, the same record from the HTTP layer (`AsyncEngine.submit`) or the lab to the
-    engine loop: a prompt's token ids and how to sample `params.n` continuations of it."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: int = 0
-    cache_salt: str | None = None  # prefix-cache isolation: only requests with the same salt share blocks
-    pooling: PoolingParams | None = None  # an embedding request: pooled, not sampled (conveyor/pooling.py)
-    tenant: str | None = None  # who it is served for (None: the default tenant)
-    slo_ttft_s: float | None = None  # latency targets (None: the engine's defaults, if any)
-    slo_tpot_s: float | None = None
-    lora_request: LoRARequest | None = None  # the adapter the request's `model` names (None: the base model)
-    # time.monotonic() (the same clock in every process on Linux); None: when the engine takes it in
-    arrival_time: float | None = None
+from conveyor.request import EngineRequest
 
 
 @dataclass
@@ -84,12 +65,12 @@ class Stop:
     """Abort what is left (each sequence gets a final "abort" delta) and end the loop."""
 
 
-Command = AddRequest | AbortRequest | EndInput | SnapshotKV | SetScheduler | Stop | UnloadLoRA
+Command = EngineRequest | AbortRequest | EndInput | SnapshotKV | SetScheduler | Stop | UnloadLoRA
 
 
 @dataclass(frozen=True)
 class FailedAdd:
-    """An `AddRequest` the engine refused (validated by the caller first, so a bug or a race)."""
+    """An `EngineRequest` the engine refused (validated by the caller first, so a bug or a race)."""
 
     request_id: str
     message: str  # "TypeName: message"

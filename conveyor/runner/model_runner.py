@@ -13,6 +13,7 @@ import functools
 import gc
 import logging
 import mmap
+import multiprocessing as mp
 import os
 import sys
 import time
@@ -36,6 +37,7 @@ from conveyor.model.quantization import (
 )
 from conveyor.pooling import pool_step
 from conveyor.request import ScheduledItem
+from conveyor.runner.cores import CoreGovernor, Usable
 from conveyor.runner.grammar_mask import GrammarMask
 from conveyor.runner.sampler import SampleResult, sample
 
@@ -55,15 +57,23 @@ def cpu_has_fast_bf16() -> bool:
     return cpu_info().has_fast_bf16 or "avx2" in available_kernels()
 
 
-def set_cpu_threads(threads: int | None) -> None:
-    """One compute thread per physical core: a hyperthread sibling shares the core's vector units and
-    only adds contention. An explicit `threads` wins. The HTTP server and detokenization run in other
-    threads and take a core's time only between steps."""
-    if threads is None:
-        physical = psutil.cpu_count(logical=False) or torch.get_num_threads()
-        threads = min(torch.get_num_threads(), physical)
-    if threads != torch.get_num_threads():
-        torch.set_num_threads(threads)
+def cpu_threads(threads: int | None) -> CoreGovernor | None:
+    """Set the compute threads: an explicit `threads` as given (None returned), else one per usable physical core
+    that other processes are not keeping busy, kept up to date by the returned `CoreGovernor` (runner/cores.py
+    says why: a step waits for its slowest thread at every operator). The HTTP server and detokenization run in
+    other threads and take a core's time only between steps."""
+    if threads is not None:
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+        return None
+    usable = Usable.now()
+    if usable.threads != torch.get_num_threads():
+        torch.set_num_threads(usable.threads)
+    # in the engine process (a spawned child of the HTTP server), the server's CPU time is this engine's work too
+    own = (os.getpid(),) + ((os.getppid(),) if mp.parent_process() is not None else ())
+    governor = CoreGovernor(torch.set_num_threads, torch.get_num_threads, own_pids=own)
+    governor.probe()
+    return governor
 
 
 def resolve_device(device: str) -> torch.device:
@@ -87,8 +97,7 @@ class ModelRunner:
                  quantized: dict | None = None) -> None:
         self.model_config = cfg
         self.device = resolve_device(config.device)
-        if self.device.type == "cpu":
-            set_cpu_threads(config.threads)
+        self.cores = cpu_threads(config.threads) if self.device.type == "cpu" else None
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         with torch.device("meta"):
@@ -360,6 +369,8 @@ class ModelRunner:
         (`grammar` masks the rows, in that order, whose output has a grammar), with the step's phase
         times and any prompt logprobs it computed."""
         t0 = time.perf_counter()
+        if self.cores is not None:
+            self.cores.tick()  # fewer compute threads while other processes keep cores busy (runner/cores.py)
         for src, dst in copies:  # copy-on-write of shared, partly filled blocks
             for cache in self.kv_caches:
                 for t in cache:

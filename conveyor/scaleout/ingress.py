@@ -5,9 +5,10 @@
 
 Each replica is its own Ray Serve deployment (`replica.EngineReplica`, one replica each, so the
 ingress can address it and Ray restarts it when its process dies). The ingress is a FastAPI app in
-this process: it checks the API key, reads the body, asks the `Router` for a replica (prefix
-affinity or least load) and relays the request to it through a Ray Serve handle, streaming the
-answer back as it comes. A background task polls every replica's load and health; `/metrics`
+this process: it checks the API key, reads the body (both by the single server's rules,
+`conveyor/server/http.py`), asks the `Router` for a replica (prefix affinity or least load) and relays
+the request to it, with its end-to-end headers, through a Ray Serve handle, streaming the answer back
+as it comes. A background task polls every replica's load and health; `/metrics`
 merges the replicas' series under a `replica` label, `/health` lists each. Ray is imported only
 here: the single-process server never needs it.
 """
@@ -41,17 +42,16 @@ from conveyor.scaleout.args import add_scaleout_args  # noqa: F401 - re-exported
 from conveyor.scaleout.lora import add_runtime_lora_routes, check_lora_modules, lora_affinity_key
 from conveyor.scaleout.router import Router, prefix_text
 from conveyor.server import protocol as P
-from conveyor.server.api_server import ServerArgs, bind_listen_socket
-from conveyor.server.args import DEFAULT_ENGINE_LOOP, RETRY_AFTER_S
-from conveyor.server.launch import GracefulServer
+from conveyor.server.args import DEFAULT_ENGINE_LOOP, RETRY_AFTER_S, ServerArgs
+from conveyor.server.async_engine import ServerDrainingError, ServerShutdownError
+from conveyor.server.http import ApiError, ApiKeys, engine_error, forwarded_headers, read_body, wait_disconnect
+from conveyor.server.launch import GracefulServer, bind_listen_socket
 from conveyor.server.lora import runtime_updating_allowed
 from conveyor.server.metrics import CONTENT_TYPE
-from conveyor.server.serving import ApiError
 
 log = logging.getLogger("conveyor.scaleout")
 
 APP_PREFIX = "conveyor-replica-"
-_FORWARDED_HEADERS = ("content-type", "accept", "x-request-id", "user-agent")
 
 
 @dataclass
@@ -119,6 +119,7 @@ class Ingress:
         self.router = router
         self.model_name = model_name
         self.poll_interval_s = poll_interval_s
+        self.api_keys = ApiKeys(args.api_key)
         self.registry = CollectorRegistry(auto_describe=True)
         self.replica_metrics = _MergedReplicaMetrics()
         self.registry.register(self.replica_metrics)
@@ -182,24 +183,11 @@ class Ingress:
 
     # --- relaying -------------------------------------------------------------------------------------
     def check_key(self, request: Request) -> None:
-        if not self.args.api_key:
-            return
-        import hmac
-
-        auth = request.headers.get("authorization", "")
-        token = auth[7:] if auth[:7].lower() == "bearer " else ""
-        if not hmac.compare_digest(token.encode(), self.args.api_key.encode()):
-            raise ApiError(401, "Incorrect or missing API key; send 'Authorization: Bearer <key>'.",
-                           code="invalid_api_key")
+        """The single server's key rule (`--api-key k1,k2`: any of the keys); replicas never check keys."""
+        self.api_keys.check(request)
 
     async def read_body(self, request: Request) -> bytes:
-        limit = self.args.max_request_bytes
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise ApiError(413, f"request body is larger than {limit} bytes", code="request_too_large")
-        return bytes(body)
+        return await read_body(request, self.args.max_request_bytes)
 
     async def relay(self, request: Request, body: bytes = b"", replica: int | None = None) -> Response:
         """Send the request to the replica the router picks (or to `replica`) and stream its answer back."""
@@ -211,8 +199,7 @@ class Ingress:
         n = n if isinstance(n, int) and 0 < n <= 1024 else 1
         path = request.url.path
         if replica is None and self.draining:
-            raise ApiError(503, "the server is shutting down and takes no new requests", "service_unavailable",
-                           code="draining", headers={"Retry-After": str(RETRY_AFTER_S)})
+            raise engine_error(ServerDrainingError("the server is shutting down and takes no new requests"))
         if replica is None:
             model = data.get("model") if isinstance(data, dict) else None
             key = lora_affinity_key(model, self.model_name, prefix_text(path, data))
@@ -225,7 +212,7 @@ class Ingress:
             r.served += 1
         else:  # not engine work (the dashboard's stream): no routing, no load
             r, n = self.replicas[replica], 0
-        headers = [(k, v) for k, v in request.headers.items() if k in _FORWARDED_HEADERS]
+        headers = forwarded_headers(request.headers.items())  # the replica's rules see what the client sent
         gen = r.handle.options(stream=True).handle.remote(request.method, path, headers, body)
         r.inflight += n
         closed = False
@@ -247,8 +234,8 @@ class Ingress:
                 r.inflight -= n
                 self._open.pop(relay_id, None)
 
-        def shutdown_error(why: str) -> ApiError:
-            return ApiError(503, why, "service_unavailable", code="server_shutdown")
+        def shutdown_error(why: str) -> ApiError:  # the single server's answer when a drain ends a request
+            return engine_error(ServerShutdownError(why))
 
         head_task = asyncio.ensure_future(gen.__anext__())
         gone = asyncio.ensure_future(wait_disconnect(request))
@@ -420,11 +407,6 @@ class _RelayResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.on_close()
-
-
-async def wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 def _replica_options(args: argparse.Namespace) -> dict:

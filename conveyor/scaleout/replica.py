@@ -21,7 +21,8 @@ from dataclasses import replace
 from ray import serve
 
 from conveyor.config import EngineConfig
-from conveyor.server.api_server import ServerArgs, build_app
+from conveyor.server.api_server import build_app
+from conveyor.server.args import ServerArgs
 
 
 async def asgi_call(app, method: str, path: str, headers: list[tuple[str, str]], body: bytes,

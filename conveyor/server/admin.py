@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response
 
 from conveyor.scheduler.policies import POLICIES, coerce_options
 from conveyor.server.async_engine import AsyncEngine, EngineDeadError
-from conveyor.server.serving import bad_request, engine_error
+from conveyor.server.http import bad_request, engine_error
 
 
 def install_admin_routes(app: FastAPI, aengine: AsyncEngine, check_key: Callable[[Request], None],

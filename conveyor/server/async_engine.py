@@ -3,8 +3,8 @@
 The engine itself runs in an `EngineLoop` (`conveyor/engine/loop.py`), in a thread of this
 process or in its own process (`--engine-loop thread|process`); this class only speaks the loop's
 typed messages:
-- `submit` sends an `AddRequest` per prompt and returns a `Submission`, an async iterator of that
-  call's `StepDelta`s; closing it (client gone, error, shutdown) sends `AbortRequest`s;
+- `submit` sends an `EngineRequest` (`conveyor/request.py`) per prompt and returns a `Submission`, an
+  async iterator of that call's `StepDelta`s; closing it (client gone, error, shutdown) sends `AbortRequest`s;
 - every `LoopOutput` the loop emits is handed to the event loop in one `call_soon_threadsafe`, which
   routes its deltas to their submissions and publishes its snapshot for `/metrics` and the log.
 
@@ -38,7 +38,6 @@ from conveyor import startup
 from conveyor.engine.clients import EngineClient, EngineDeadError, InlineEngineClient
 from conveyor.engine.messages import (
     AbortRequest,
-    AddRequest,
     LoopOutput,
     SchedulerSwitch,
     SetScheduler,
@@ -46,16 +45,15 @@ from conveyor.engine.messages import (
     UnloadLoRA,
 )
 from conveyor.outputs import FinishReason, StepDelta
-from conveyor.request import sequence_ids
+from conveyor.request import EngineRequest, sequence_ids
 from conveyor.server.args import RETRY_AFTER_S
 from conveyor.server.metrics import EngineStats, ServerMetrics
 
 log = logging.getLogger("conveyor.server")
 request_log = logging.getLogger("conveyor.server.requests")
 
-__all__ = ["AddRequest", "AsyncEngine", "EngineDeadError", "EngineRestartedError", "EngineRestartingError",
-           "EngineUnavailableError", "QueueFullError", "ServerDrainingError", "ServerShutdownError", "Submission",
-           "engine_answer"]
+__all__ = ["EngineRequest", "AsyncEngine", "EngineDeadError", "EngineRestartedError", "EngineRestartingError",
+           "EngineUnavailableError", "QueueFullError", "ServerDrainingError", "ServerShutdownError", "Submission"]
 
 
 class QueueFullError(RuntimeError):
@@ -63,8 +61,9 @@ class QueueFullError(RuntimeError):
 
 
 class EngineUnavailableError(EngineDeadError):
-    """The engine cannot serve this call, and how the HTTP answer says so: `status`, OpenAI's error `type`
-    and `code`, and `retry_after` seconds (a `Retry-After` header) where asking again soon can succeed."""
+    """The engine cannot serve this call, and how the HTTP answer says so (`conveyor/server/http.py`'s
+    `engine_error`): `status`, OpenAI's error `type` and `code`, and `retry_after` seconds (a `Retry-After`
+    header) where asking again soon can succeed."""
 
     status = 503
     error_type = "service_unavailable"
@@ -100,14 +99,6 @@ class ServerShutdownError(EngineUnavailableError):
     code = "server_shutdown"
 
 
-def engine_answer(e: EngineDeadError) -> tuple[int, str, str, dict[str, str] | None]:
-    """(status, error type, code, headers) of the HTTP answer for an engine error (plain `EngineDeadError`: 503
-    `engine_dead`)."""
-    retry = getattr(e, "retry_after", None)
-    return (getattr(e, "status", 503), getattr(e, "error_type", "service_unavailable"),
-            getattr(e, "code", "engine_dead"), {"Retry-After": str(retry)} if retry is not None else None)
-
-
 @dataclass
 class _Seq:
     """Loop-side timing of one sequence, for metrics and the request log."""
@@ -126,7 +117,7 @@ class Submission:
     sequence has finished and raises `EngineDeadError` if the engine dies meanwhile.
     """
 
-    def __init__(self, engine: AsyncEngine, api_id: str, inputs: list[AddRequest], arrival: float) -> None:
+    def __init__(self, engine: AsyncEngine, api_id: str, inputs: list[EngineRequest], arrival: float) -> None:
         self.engine = engine
         self.api_id = api_id
         self.inputs = inputs
@@ -390,7 +381,7 @@ class AsyncEngine:
         return None
 
     # --- the HTTP side's API --------------------------------------------------------------------------
-    def submit(self, api_id: str, inputs: list[AddRequest]) -> Submission:
+    def submit(self, api_id: str, inputs: list[EngineRequest]) -> Submission:
         """Queue one API call's requests. Raises EngineDeadError (or a subclass saying why: restarting,
         draining) or QueueFullError; nothing is queued then."""
         refusal = self._refusal()
@@ -408,14 +399,15 @@ class AsyncEngine:
             if self.queued_tokens and self.queued_tokens + tokens > self.max_queued_tokens:
                 raise QueueFullError(f"the waiting queue is full ({self.queued_tokens} prompt tokens queued, limit "
                                      f"{self.max_queued_tokens}); retry later")
-        sub = Submission(self, api_id, inputs, time.monotonic())
+        arrival = time.monotonic()
+        inputs = [dataclasses.replace(inp, arrival_time=arrival) for inp in inputs]
+        sub = Submission(self, api_id, inputs, arrival)
         self._subs[api_id] = sub
         for inp in inputs:
             self._group_to_sub[inp.request_id] = sub
         self._num_pending_adds += num
         self.queued_tokens += sum(sub.unstarted.values())
         for inp in inputs:
-            inp.arrival_time = sub.arrival
             self.client.send(inp)
         return sub
 

@@ -28,6 +28,7 @@ from prometheus_client.registry import Collector
 from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import EngineInfo
 from conveyor.outputs import FinishReason
+from conveyor.request import tenant_name
 from conveyor.scheduler.policies import POLICIES
 
 disable_created_metrics()  # no `_created` series, as in vLLM: they double the output for nothing
@@ -168,9 +169,7 @@ class TenantLabels:
         self.named: set[str] = set()
 
     def __call__(self, tenant: str | None) -> str:
-        from conveyor.request import DEFAULT_TENANT
-
-        t = tenant if tenant is not None else DEFAULT_TENANT
+        t = tenant_name(tenant)
         if t in self.named:
             return t
         if len(self.named) < self.max_tenants and t != OTHER_TENANT:

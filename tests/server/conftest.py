@@ -25,7 +25,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conveyor.config import EngineConfig
-from conveyor.server.api_server import GracefulServer, ServerArgs, build_app
+from conveyor.server.api_server import ServerArgs, build_app
+from conveyor.server.launch import GracefulServer
 
 API_KEY = "test-key"
 MODEL = "tiny"
