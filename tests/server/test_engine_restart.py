@@ -30,6 +30,7 @@ import psutil
 import pytest
 
 from conveyor.server.api_server import ServerArgs
+from tests.engine.insides import a_kv_tensor
 
 from .conftest import MODEL, bound_url, popen_server, run_server, server_output, slowed_steps, tiny_config
 
@@ -280,7 +281,7 @@ def test_a_step_that_raises_restarts_the_engine_in_a_new_thread(tiny_llama, tmp_
         old = aengine.client
         old_thread = old.thread
         engine_ref = weakref.ref(old.engine)
-        kv_ref = weakref.ref(old.engine.runner.kv_caches[0][0])
+        kv_ref = weakref.ref(a_kv_tensor(old.engine))
         client = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0, timeout=60)
         results: dict[str, object] = {}
 
