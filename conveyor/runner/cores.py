@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+import multiprocessing as mp
 import os
 import time
 from collections.abc import Callable
@@ -124,6 +125,15 @@ def _process_ticks(pid: int | str) -> int:
     except (OSError, IndexError):
         return 0
     return int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of the file)
+
+
+def engine_pids() -> tuple[int, ...]:
+    """The processes whose CPU time is this engine's own work: this one, and, when the engine runs in a child
+    process of the HTTP server, the server that started it. That is the process multiprocessing names as the
+    parent, not `os.getppid()`: an engine process forked from a forkserver (`engine/clients.process_context`)
+    has the forkserver, idle, as its parent in the kernel's eyes, and the server would count as a neighbour."""
+    parent = mp.parent_process()
+    return (os.getpid(),) + ((parent.pid,) if parent is not None and parent.pid is not None else ())
 
 
 class CoreGovernor:

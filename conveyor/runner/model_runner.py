@@ -13,7 +13,6 @@ import functools
 import gc
 import logging
 import mmap
-import multiprocessing as mp
 import os
 import sys
 import time
@@ -37,7 +36,7 @@ from conveyor.model.quantization import (
 )
 from conveyor.pooling import pool_step
 from conveyor.request import ScheduledItem
-from conveyor.runner.cores import CoreGovernor, Usable
+from conveyor.runner.cores import CoreGovernor, Usable, engine_pids
 from conveyor.runner.grammar_mask import GrammarMask
 from conveyor.runner.sampler import SampleResult, sample
 
@@ -69,9 +68,8 @@ def cpu_threads(threads: int | None) -> CoreGovernor | None:
     usable = Usable.now()
     if usable.threads != torch.get_num_threads():
         torch.set_num_threads(usable.threads)
-    # in the engine process (a spawned child of the HTTP server), the server's CPU time is this engine's work too
-    own = (os.getpid(),) + ((os.getppid(),) if mp.parent_process() is not None else ())
-    governor = CoreGovernor(torch.set_num_threads, torch.get_num_threads, own_pids=own)
+    # in the engine process (a child of the HTTP server), the server's CPU time is this engine's work too
+    governor = CoreGovernor(torch.set_num_threads, torch.get_num_threads, own_pids=engine_pids())
     governor.probe()
     return governor
 

@@ -133,3 +133,27 @@ def test_two_busy_processes_are_seen_and_one_thread_is_left():
             p.wait()
     assert g.others > 1.2, f"two busy processes on two CPUs measured as {g.others:.2f} busy cores"
     assert g.threads == 1 and calls == [1]
+
+
+def test_an_engine_process_from_a_forkserver_counts_the_server_that_started_it(tmp_path):
+    """The engine process is forked from a forkserver (engine/clients.process_context), whose pid is the child's
+    os.getppid(): the HTTP server's CPU time must still count as the engine's own work, not a neighbour's.
+    Run in a fresh interpreter, so the test process starts no forkserver of its own."""
+    code = ("import multiprocessing as mp, os\n"
+            "from conveyor.runner.cores import engine_pids\n"
+            "def child(conn):\n"
+            "    conn.send((engine_pids(), os.getppid()))\n"
+            "if __name__ == '__main__':\n"
+            "    ctx = mp.get_context('forkserver')\n"
+            "    a, b = ctx.Pipe()\n"
+            "    p = ctx.Process(target=child, args=(b,))\n"
+            "    p.start()\n"
+            "    pids, ppid = a.recv()\n"
+            "    p.join(30)\n"
+            "    assert ppid != os.getpid(), 'not forked from a forkserver'\n"
+            "    assert pids == (p.pid, os.getpid()), (pids, p.pid, os.getpid())\n"
+            "    assert engine_pids() == (os.getpid(),)\n")
+    script = tmp_path / "probe.py"  # a file: the forkserver's child finds `child` by importing the main module
+    script.write_text(code)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
