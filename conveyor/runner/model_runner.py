@@ -44,6 +44,7 @@ from conveyor.model.quantization import (
 )
 from conveyor.pooling import pool_step
 from conveyor.request import ScheduledItem
+from conveyor.runner.cores import CoreGovernor, Usable, engine_pids
 from conveyor.runner.grammar_mask import GrammarMask
 from conveyor.runner.memory import (
     DENSE_COPY_SHARE,
@@ -71,15 +72,22 @@ def cpu_has_fast_bf16() -> bool:
     return cpu_info().has_fast_bf16 or "avx2" in available_kernels()
 
 
-def set_cpu_threads(threads: int | None) -> None:
-    """One compute thread per physical core: a hyperthread sibling shares the core's vector units and
-    only adds contention. An explicit `threads` wins. The HTTP server and detokenization run in other
-    threads and take a core's time only between steps."""
-    if threads is None:
-        physical = psutil.cpu_count(logical=False) or torch.get_num_threads()
-        threads = min(torch.get_num_threads(), physical)
-    if threads != torch.get_num_threads():
-        torch.set_num_threads(threads)
+def cpu_threads(threads: int | None) -> CoreGovernor | None:
+    """Set the compute threads: an explicit `threads` as given (None returned), else one per usable physical core
+    that other processes are not keeping busy, kept up to date by the returned `CoreGovernor` (runner/cores.py
+    says why: a step waits for its slowest thread at every operator). The HTTP server and detokenization run in
+    other threads and take a core's time only between steps."""
+    if threads is not None:
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+        return None
+    usable = Usable.now()
+    if usable.threads != torch.get_num_threads():
+        torch.set_num_threads(usable.threads)
+    # in the engine process (a child of the HTTP server), the server's CPU time is this engine's work too
+    governor = CoreGovernor(torch.set_num_threads, torch.get_num_threads, own_pids=engine_pids())
+    governor.probe()
+    return governor
 
 
 def resolve_device(device: str) -> torch.device:
@@ -104,8 +112,7 @@ class ModelRunner:
         built) or any mapping of tensors in memory."""
         self.model_config = cfg
         self.device = resolve_device(config.device)
-        if self.device.type == "cpu":
-            set_cpu_threads(config.threads)
+        self.cores = cpu_threads(config.threads) if self.device.type == "cpu" else None
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         # KV storage: the model's dtype, or int8 with an fp16 scale per token and head (attention.py)
@@ -532,6 +539,8 @@ class ModelRunner:
         (`grammar` masks the rows, in that order, whose output has a grammar), with the step's phase
         times and any prompt logprobs it computed."""
         t0 = time.perf_counter()
+        if self.cores is not None:
+            self.cores.tick()  # fewer compute threads while other processes keep cores busy (runner/cores.py)
         for src, dst in copies:  # copy-on-write of shared, partly filled blocks
             for cache in self.kv_caches:
                 for t in cache:

@@ -13,6 +13,7 @@ import psutil
 
 from conveyor import LLM, SamplingParams
 from conveyor.engine.args import add_engine_args, engine_config_from_args
+from tests.engine.insides import kv_pool_is_zero
 
 POOL_GIB = 0.25
 
@@ -38,7 +39,7 @@ def test_populated_pool_is_resident_and_lazy_one_is_not(tiny_llama):
     assert lazy_growth < 0.5 * pool, "a lazy pool should not be resident before it is used"
     assert eager_growth > 0.9 * pool, "a populated pool should be resident after startup"
     # the contents were left zero (a masked slot must meet 0, never garbage) and outputs do not change
-    assert eager.engine.kv_pool_is_zero()
+    assert kv_pool_is_zero(eager.engine)
     params = SamplingParams(max_tokens=8, temperature=0)
     prompts = [[5, 6, 7, 8, 9], [11, 12]]
     out_lazy = [o.outputs[0].token_ids for o in lazy.generate(prompts, params, use_tqdm=False)]
