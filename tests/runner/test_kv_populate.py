@@ -106,7 +106,7 @@ def test_beyond_the_first_part_the_pool_is_faulted_in_in_the_background(tiny_lla
     pool = llm.engine.info.num_kv_blocks * llm.engine.info.bytes_per_block
     assert "the rest of the pool" in caplog.text
     assert rss() - before > 0.9 * pool
-    assert llm.engine.kv_pool_is_zero()
+    assert kv_pool_is_zero(llm.engine)
     # a new pool (the knob lab's reset): a background fault-in of the old one is stopped and joined first
     monkeypatch.setattr(model_runner, "_madvise_populate", lambda t: time.sleep(0.05) or 0)  # a slow fault-in
     llm.engine.reset(dataclasses.replace(llm.engine.config, kv_cache_memory=POOL_GIB / 2))
