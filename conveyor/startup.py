@@ -21,7 +21,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 LOADING_WEIGHTS = "loading weights"
@@ -45,10 +45,16 @@ class StartupProgress:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._phase = Phase(STARTING, time.monotonic())
+        # told every new phase (an engine process forwards its own to the server); never allowed to fail a load
+        self.listeners: list[Callable[[Phase], None]] = []
 
     def set(self, name: str, detail: str = "") -> None:
+        ph = Phase(name, time.monotonic(), detail)
         with self._lock:
-            self._phase = Phase(name, time.monotonic(), detail)
+            self._phase = ph
+        for listener in list(self.listeners):
+            with contextlib.suppress(Exception):
+                listener(ph)
 
     def current(self) -> Phase:
         with self._lock:

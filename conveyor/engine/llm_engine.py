@@ -181,11 +181,11 @@ class LLMEngine:
         self.config = config
         t0 = time.perf_counter()
         startup.phase(startup.LOADING_WEIGHTS, config.model)
-        ckpt = load_checkpoint(config.model, config.tokenizer, config.quantization)
+        ckpt = load_checkpoint(config.model, config.tokenizer)
         self.tokenizer = ckpt.tokenizer
         self.model_config = ckpt.config
         self.model_name = config.served_model_name or config.model
-        self.runner = ModelRunner(ckpt.config, ckpt.tensors, config, ckpt.quantized)
+        self.runner = ModelRunner(ckpt.config, ckpt.tensors, config)
         pool_tokens = self.runner.num_blocks * config.block_size
         model_ctx = ckpt.config.max_position_embeddings
         if config.max_model_len is not None:
@@ -393,6 +393,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def running_group_ids(self) -> list[str]:
+        """The groups in the running batch (scheduled, prefilling or decoding): what a failed step was working on."""
+        return sorted({r.group_id for r in self.scheduler.running})
 
     # --- the step -----------------------------------------------------------------------------------
     def step(self) -> StepOutput:

@@ -2,14 +2,15 @@
 
 The server (`AsyncEngine`) and the lab (`EngineBackend`) both talk to the engine only through this
 loop, wherever it runs (`clients.py`: a thread, a process, or the event loop itself). If a step
-raises, the loop emits a last output carrying the error and ends: the engine is dead, and the client
-says so.
+raises, the loop emits a last output carrying the error (and the groups it was running) and ends: the
+engine is dead, and the client says so; the server then starts a new one (`server/async_engine.py`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import traceback
 from collections.abc import Callable
 from enum import StrEnum
 
@@ -132,13 +133,22 @@ class EngineLoop:
         return LoopState.RAN if step.stats is not None else LoopState.HELD
 
     def fail(self, exc: BaseException) -> None:
-        """Report the engine dead (a step raised): a last output carrying the error."""
-        log.error("engine step failed; the engine is dead", exc_info=exc)
+        """Report the engine dead (a step raised): a last output carrying the error and what was running.
+
+        The traceback is logged as text, never as the exception: a log record that kept `exc` (a test's
+        log capture does) would keep every frame of the failed step, and with them the engine and its KV
+        pool, which the server drops to build a new one."""
+        log.error("engine step failed; the engine is dead:\n%s", "".join(traceback.format_exception(exc)).rstrip())
         try:
             snap = self.engine.snapshot()
         except Exception:
             snap = None
-        self.emit(LoopOutput([], None, snap, time.monotonic(), error=repr(exc), final=True))
+        try:
+            started = self.engine.running_group_ids()
+        except Exception:
+            started = []
+        self.emit(LoopOutput([], None, snap, time.monotonic(), error=f"{type(exc).__name__}: {exc}",
+                             cause="exception", started=started, final=True))
 
     def run(self) -> None:
         try:

@@ -4,8 +4,8 @@ Commands: `EngineRequest` (`conveyor/request.py`: the one request record, added 
 `EndInput`, `SnapshotKV`, `SetScheduler`, `UnloadLoRA`, `Stop`.
 After each step (and after commands that change the engine while it is idle) the loop emits one `LoopOutput`:
 the step's deltas and stats, a snapshot of the engine's counters, and any failed adds. An engine process
-says `EngineReady` (or `EngineFailed`) first. Every message is a plain record that pickles: the same ones
-go to a thread's queue or over a process's pipe.
+says `EnginePhase` as it loads, then `EngineReady` (or `EngineFailed`). Every message is a plain record
+that pickles: the same ones go to a thread's queue or over a process's pipe.
 """
 
 from __future__ import annotations
@@ -85,9 +85,24 @@ class LoopOutput:
     failed: list[FailedAdd] = field(default_factory=list)  # adds refused
     added: int = 0  # sequences whose add command the engine took in (counted for queue limits)
     error: str | None = None  # the engine died with this; nothing more will come
+    # with `error`: what killed it, in a few fixed words fit for a metric label: "exception" (a step raised),
+    # a signal's name ("SIGKILL", "SIGSEGV": the engine process was killed) or "exit" (it exited by itself)
+    cause: str | None = None
+    # with `error`: the groups the failed step was running, where the loop could still tell (in-process);
+    # a request that was only scheduled into the fatal step is otherwise indistinguishable from a waiting one
+    started: list[str] = field(default_factory=list)
     final: bool = False  # the loop has ended
     kv_map: KVMap | None = None  # when a `SnapshotKV` asked for one
     switched: list[SchedulerSwitch] = field(default_factory=list)  # `SetScheduler` commands handled
+
+
+@dataclass(frozen=True)
+class EnginePhase:
+    """A loading engine process entered a startup phase (`conveyor/startup.py`): the server's `/health` shows
+    it, as it does for an engine loading in its own process."""
+
+    name: str
+    detail: str = ""
 
 
 @dataclass(frozen=True)

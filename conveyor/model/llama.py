@@ -7,6 +7,7 @@ into one matmul each at load time (fewer, larger GEMMs are what a CPU or GPU run
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -98,6 +99,11 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         scaled = torch.where(wavelen > low_wl, inv / factor, inv)
         mid = (wavelen <= low_wl) & (wavelen >= high_wl)
         return torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    if kind == "freq_factors":  # a GGUF's rope_freqs tensor: llama.cpp divides each frequency by its factor
+        factors = torch.tensor(rs["factors"], dtype=torch.float32)
+        if factors.shape != inv.shape:
+            raise ValueError(f"rope_freqs has {factors.numel()} factors for {inv.numel()} frequencies")
+        return inv / factors
     raise ValueError(f"rope_scaling type {kind!r} is not supported")
 
 
@@ -299,69 +305,54 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def fuse_quantized(self, quantized: dict) -> dict:
-        """Map a checkpoint's quantized weights (HF names -> QuantizedWeight) onto this model's linear
-        modules, fusing q/k/v and gate/up as `load_hf_state_dict` does; a module any part of which is
-        missing is left out (it is quantized from its float weight instead)."""
-        from conveyor.model.quantization import QuantizedWeight
+    def load_weights(self, names: Collection[str], read: Callable[[str], torch.Tensor],
+                     make_linear: Callable[[str, list[str], list[str] | None, torch.Tensor | None], nn.Module]) -> None:
+        """Take weights named as in HF's LlamaForCausalLM, one module at a time: `read(hf_name)` gives a tensor
+        as it will be served (dtype, device), `make_linear(module, parts, bias_parts, weight)` builds a linear
+        module from HF weights fused in row order (q/k/v and gate/up into one matmul each; `weight`: a tensor
+        already read, the embedding for a tied LM head). The caller decides what a linear becomes (plain,
+        packed, quantized) and reads its parts itself, so no tensor is held longer than its own conversion.
+        The embedding and the LM head come first: the largest tensors convert while little else is held."""
+        names = set(names)
+        used: set[str] = set()
 
-        out = {}
-        head = quantized.get("lm_head.weight")
-        if head is None and self.cfg.tie_word_embeddings:
-            head = quantized.get("model.embed_tokens.weight")
-        if head is not None:
-            out["lm_head"] = head
-        fused = {"self_attn.qkv_proj": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
-                 "self_attn.o_proj": ["self_attn.o_proj"],
-                 "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"],
-                 "mlp.down_proj": ["mlp.down_proj"]}
-        for i in range(self.cfg.num_layers):
-            for mod, parts in fused.items():
-                ws = [quantized.get(f"model.layers.{i}.{p}.weight") for p in parts]
-                if all(w is not None for w in ws):
-                    try:
-                        out[f"layers.{i}.{mod}"] = QuantizedWeight.cat(ws)
-                    except ValueError:  # parts quantized differently: quantize the fused float weight
-                        pass
-        return out
+        def get(name: str) -> nn.Parameter:
+            used.add(name)
+            return nn.Parameter(read(name), requires_grad=False)
 
-    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Take weights named as in HF's LlamaForCausalLM, fusing q/k/v and gate/up."""
-        sd: dict[str, torch.Tensor] = {}
-        get = tensors.pop
-        sd["embed_tokens.weight"] = get("model.embed_tokens.weight")
-        sd["norm.weight"] = get("model.norm.weight")
-        tied = self.cfg.tie_word_embeddings or "lm_head.weight" not in tensors
-        head = tensors.pop("lm_head.weight", None)
-        sd["lm_head.weight"] = sd["embed_tokens.weight"] if tied else head
-        for i in range(self.cfg.num_layers):
+        def linear(module: str, parts: list[str], bias_parts: list[str] | None = None,
+                   weight: torch.Tensor | None = None) -> nn.Module:
+            missing = [n for n in [*parts, *(bias_parts or [])] if n not in names and weight is None]
+            if missing:
+                raise ValueError(f"checkpoint does not fit the model: missing {missing[:5]}")
+            used.update(parts)
+            used.update(bias_parts or [])
+            return make_linear(module, parts, bias_parts, weight)
+
+        if "model.embed_tokens.weight" not in names:
+            raise ValueError("checkpoint does not fit the model: missing ['model.embed_tokens.weight']")
+        self.embed_tokens.weight = get("model.embed_tokens.weight")
+        tied = self.cfg.tie_word_embeddings or "lm_head.weight" not in names
+        if tied:
+            self.lm_head = linear("lm_head", ["model.embed_tokens.weight"], None, self.embed_tokens.weight)
+        else:
+            self.lm_head = linear("lm_head", ["lm_head.weight"])
+        self.norm.weight = get("model.norm.weight")
+        c = self.cfg
+        for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            sd[f"layers.{i}.input_layernorm.weight"] = get(p + "input_layernorm.weight")
-            sd[f"layers.{i}.post_attention_layernorm.weight"] = get(p + "post_attention_layernorm.weight")
-            a = p + "self_attn."
-            sd[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat(
-                [get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")])
-            if self.cfg.qkv_bias:
-                sd[f"layers.{i}.self_attn.qkv_proj.bias"] = torch.cat(
-                    [get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias")])
-            sd[f"layers.{i}.self_attn.o_proj.weight"] = get(a + "o_proj.weight")
-            if self.cfg.o_bias:
-                sd[f"layers.{i}.self_attn.o_proj.bias"] = get(a + "o_proj.bias")
-            m = p + "mlp."
-            sd[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
-                [get(m + "gate_proj.weight"), get(m + "up_proj.weight")])
-            sd[f"layers.{i}.mlp.down_proj.weight"] = get(m + "down_proj.weight")
-            if self.cfg.mlp_bias:
-                sd[f"layers.{i}.mlp.gate_up_proj.bias"] = torch.cat(
-                    [get(m + "gate_proj.bias"), get(m + "up_proj.bias")])
-                sd[f"layers.{i}.mlp.down_proj.bias"] = get(m + "down_proj.bias")
-        leftover = [k for k in tensors if not k.endswith("rotary_emb.inv_freq")]
+            a, m = p + "self_attn.", p + "mlp."
+            layer.input_layernorm.weight = get(p + "input_layernorm.weight")
+            layer.post_attention_layernorm.weight = get(p + "post_attention_layernorm.weight")
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_proj = linear(f"layers.{i}.self_attn.qkv_proj", [a + f"{x}_proj.weight" for x in "qkv"],
+                                   [a + f"{x}_proj.bias" for x in "qkv"] if c.qkv_bias else None)
+            attn.o_proj = linear(f"layers.{i}.self_attn.o_proj", [a + "o_proj.weight"],
+                                 [a + "o_proj.bias"] if c.o_bias else None)
+            mlp.gate_up_proj = linear(f"layers.{i}.mlp.gate_up_proj", [m + "gate_proj.weight", m + "up_proj.weight"],
+                                      [m + "gate_proj.bias", m + "up_proj.bias"] if c.mlp_bias else None)
+            mlp.down_proj = linear(f"layers.{i}.mlp.down_proj", [m + "down_proj.weight"],
+                                   [m + "down_proj.bias"] if c.mlp_bias else None)
+        leftover = sorted(n for n in names - used if not n.endswith("rotary_emb.inv_freq"))
         if leftover:
             raise ValueError(f"checkpoint has weights this model does not use: {leftover[:5]}")
-        missing, unexpected = self.load_state_dict(sd, strict=False, assign=True)
-        missing = [k for k in missing if k != "inv_freq"]
-        if missing or unexpected:
-            raise ValueError(f"checkpoint does not fit the model: missing {missing[:5]}, "
-                             f"unexpected {unexpected[:5]}")
-        if tied:
-            self.lm_head.weight = self.embed_tokens.weight

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -30,7 +30,7 @@ from conveyor.engine.messages import Stop
 from conveyor.pooling import default_pooling
 from conveyor.server import protocol as P
 from conveyor.server.admin import install_admin_routes
-from conveyor.server.args import KEEP_ALIVE_S, ServerArgs, add_server_args
+from conveyor.server.args import KEEP_ALIVE_S, RETRY_AFTER_S, ServerArgs, add_server_args
 from conveyor.server.async_engine import AsyncEngine
 from conveyor.server.chat import OpenAIServingChat
 from conveyor.server.completions import OpenAIServingCompletion
@@ -82,18 +82,35 @@ class Endpoints:
         return self.ctx.tokenizer
 
 
-def make_client(config: EngineConfig, where: str, engine: LLMEngine | None = None) -> EngineClient:
-    """Start the engine loop `where` (thread | process | inline); `engine`: an already built engine."""
+def make_client(config: EngineConfig, where: str, engine: LLMEngine | None = None,
+                tokenizer: object | None = None) -> EngineClient:
+    """Start the engine loop `where` (thread | process | inline); `engine`: an already built engine;
+    `tokenizer`: the HTTP side's, already loaded (a process client would load its own)."""
     if where == "process":
         if engine is not None:
             raise ValueError("an engine built in this process cannot run in another one")
-        return ProcessEngineClient(config)
+        return ProcessEngineClient(config, tokenizer=tokenizer)
     if where == "inline":
         return InlineEngineClient(engine or LLMEngine(config))
     if where != "thread":
         raise ValueError(f"engine loop must be thread, process or inline, got {where!r}")
     # thread: the model is built in the thread that will step it (OpenMP: see engine/clients.py)
     return ThreadEngineClient(engine if engine is not None else (lambda: LLMEngine(config)))
+
+
+def respawner(config: EngineConfig, args: ServerArgs, first: EngineClient):
+    """How the server starts a new engine after the engine died: the same configuration, with `overrides`
+    (the batching strategy switched live), in the same kind of loop; None for `--engine-loop inline`
+    (an engine stepped on the event loop is not restarted). Holds nothing of `first` but its tokenizer: a
+    reference to the first engine would keep its memory after it died."""
+    if args.engine_loop == "inline":
+        return None
+    tokenizer, where = first.tokenizer, args.engine_loop
+
+    def respawn(overrides: dict) -> EngineClient:
+        return make_client(replace(config, **overrides), where, tokenizer=tokenizer)
+
+    return respawn
 
 
 def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Namespace | None = None,
@@ -112,7 +129,8 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
     client = make_client(engine_config, args.engine_loop, engine)
     info = client.info
     aengine = AsyncEngine(client, max_queued_requests=args.max_queued_requests, log_interval_s=args.log_interval,
-                          max_queued_tokens=args.max_queued_tokens)
+                          max_queued_tokens=args.max_queued_tokens, respawn=respawner(engine_config, args, client),
+                          max_restarts=args.max_engine_restarts, restart_window_s=args.engine_restart_window)
     metrics = ServerMetrics(info.model_name, aengine.stats, info, max_tenants=args.metrics_max_tenants,
                             config=engine_config)
     aengine.metrics = metrics
@@ -130,7 +148,7 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
             client.start()
             client.join(10)
         raise
-    hub = DashboardHub(client, dashboard_setup(engine_config, info))
+    hub = DashboardHub(aengine, dashboard_setup(engine_config, info))
     aengine.observers.append(hub.observe)
     metrics.listeners.append(hub)
     logging.getLogger("conveyor.server.requests").disabled = args.disable_log_requests
@@ -210,10 +228,9 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
 
     @app.get("/health")
     async def health() -> Response:
-        if aengine.alive:
-            return JSONResponse({"status": "ok"})
-        why = f"the engine is dead: {aengine.error!r}" if aengine.error else "the engine is not running"
-        return JSONResponse(P.error_body(why, "service_unavailable", code="engine_dead"), status_code=503)
+        status, body = aengine.health()  # ok; restarting (with its phase) or draining, with Retry-After; dead
+        retry = status == 503 and body["status"] in ("restarting", "draining")
+        return JSONResponse(body, status_code=status, headers={"Retry-After": str(RETRY_AFTER_S)} if retry else None)
 
     @app.get("/version")
     async def version() -> Response:

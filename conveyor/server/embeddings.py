@@ -22,8 +22,8 @@ from conveyor.pooling import PoolingParams
 from conveyor.sampling_params import SamplingParams
 from conveyor.server import protocol as P
 from conveyor.server.async_engine import EngineDeadError
-from conveyor.server.http import ApiError, bad_request, wait_disconnect
-from conveyor.server.serving import OpenAIServing, engine_dead, parse_model
+from conveyor.server.http import ApiError, bad_request, engine_error, wait_disconnect
+from conveyor.server.serving import OpenAIServing, parse_model
 
 MAX_INPUTS = 2048  # as OpenAI
 
@@ -94,7 +94,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         try:
             work.result()
         except EngineDeadError as e:
-            raise engine_dead(e) from None
+            raise engine_error(e) from None
         except (TimeoutError, asyncio.TimeoutError):
             raise self.timeout_error() from None
         if errors or any(v is None for v in vectors):

@@ -1,7 +1,9 @@
 """The HTTP rules every front door of conveyor keeps, written once: the single server (`api_server.py`) and
 the Ray ingress (`conveyor/scaleout/ingress.py`) both use them, so a rule cannot drift between the two.
 
-- errors: `ApiError` becomes OpenAI's `{"error": {...}}` body with its status (`bad_request`: a 400);
+- errors: `ApiError` becomes OpenAI's `{"error": {...}}` body with its status (`bad_request`: a 400;
+  `engine_error`: the answer to a call the engine cannot serve, with `Retry-After` where asking again soon
+  can succeed);
 - keys: `ApiKeys` (`--api-key k1,k2`: any of the keys, compared in constant time) on the bearer token
   (`bearer_token`, the one parser of `Authorization: Bearer ...`);
 - bodies: `read_body` (413 past the limit, after reading the rest so that the client sees the answer
@@ -46,6 +48,18 @@ class ApiError(Exception):
 
 def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param)
+
+
+def engine_error(e: Exception) -> ApiError:
+    """The answer to a call the engine cannot serve, as the error says: `EngineDeadError` (503 `engine_dead`)
+    or one of the supervisor's subclasses (`conveyor/server/async_engine.py`), which carry their `status`,
+    OpenAI's error `error_type` and `code`, and `retry_after` seconds: 503 `loading` while the engine restarts,
+    503 `draining` while the server drains (both with `Retry-After`), 500 `engine_restarted` for a call the
+    engine died under, 503 `server_shutdown` for one the drain's time ran out on."""
+    retry = getattr(e, "retry_after", None)
+    return ApiError(getattr(e, "status", 503), str(e), getattr(e, "error_type", "service_unavailable"),
+                    code=getattr(e, "code", "engine_dead"),
+                    headers={"Retry-After": str(retry)} if retry is not None else None)
 
 
 def bearer_token(headers: Mapping[str, str]) -> str:

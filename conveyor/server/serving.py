@@ -37,7 +37,7 @@ from conveyor.sampling_params import ParamError, SamplingParams, StructuredOutpu
 from conveyor.server import protocol as P
 from conveyor.server import tools as T
 from conveyor.server.async_engine import AsyncEngine, QueueFullError, Submission
-from conveyor.server.http import ApiError, bad_request, wait_disconnect
+from conveyor.server.http import ApiError, bad_request, engine_error, wait_disconnect
 from conveyor.server.tenancy import TenantRule
 
 _TOKENIZE_IN_THREAD_CHARS = 4096  # longer prompts are tokenized off the event loop
@@ -83,10 +83,6 @@ def parse_model(cls: type[BaseModel], data: dict) -> BaseModel:
 def finite(x: float) -> float:
     """JSON has no -inf: report impossible tokens as -9999 (as vLLM does)."""
     return x if math.isfinite(x) else -9999.0
-
-
-def engine_dead(e: EngineDeadError) -> ApiError:
-    return ApiError(503, str(e), "service_unavailable", code="engine_dead")
 
 
 @dataclass
@@ -292,7 +288,7 @@ class OpenAIServing:
         except QueueFullError as e:  # Retry-After: about when a queue of this length has moved on
             raise ApiError(429, str(e), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
         except EngineDeadError as e:
-            raise engine_dead(e) from None
+            raise engine_error(e) from None
 
     def token_str(self, token_id: int) -> str:
         strs = self.ctx.token_strs
@@ -340,7 +336,7 @@ class OpenAIServing:
         try:
             outs = work.result()
         except EngineDeadError as e:
-            raise engine_dead(e) from None
+            raise engine_error(e) from None
         if errors:  # a failure tied to this request alone (the engine goes on): OpenAI's 500
             raise ApiError(500, f"the request failed in the engine: {errors[0]}", "internal_error",
                            code="request_failed")

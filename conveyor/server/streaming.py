@@ -3,7 +3,8 @@
 `stream_events` is the skeleton: it runs a submission's deltas through the endpoint's `StreamFormat`
 (which turns them into events) and owns everything a stream must get right whatever its events look like:
 - a failure tied to this request alone (`StepDelta.error`) becomes an in-band error event, and the stream ends;
-- the request's deadline (`--request-timeout`) and an engine that dies mid-answer become error events too;
+- the request's deadline (`--request-timeout`), an engine that dies mid-answer (500 `engine_restarted` while
+  it restarts) and a drain whose time runs out (`server_shutdown`) become error events too;
 - the token counts (completion tokens, prompt tokens served from the prefix cache) for a final usage event;
 - `finally`: the submission is closed however the stream ends (its unfinished sequences are aborted and
   their KV blocks freed), then the format's last events (`[DONE]` for completions and chat).
@@ -28,6 +29,7 @@ from conveyor.engine.clients import EngineDeadError
 from conveyor.outputs import StepDelta
 from conveyor.server import protocol as P
 from conveyor.server.async_engine import Submission
+from conveyor.server.http import engine_error
 
 DONE = "data: [DONE]\n\n"
 
@@ -50,9 +52,11 @@ def request_failed_body(message: str) -> dict:
 
 
 def stream_error_body(e: BaseException) -> dict:
-    """What an exception that ends a stream says in-band (the engine died, or something failed here)."""
+    """What an exception that ends a stream says in-band: the engine's error as a plain answer would say it
+    (`engine_error`: it died and is restarting, the drain's time ran out, it is dead for good), or something
+    that failed here."""
     if isinstance(e, EngineDeadError):
-        return P.error_body(str(e), "service_unavailable", code="engine_dead")
+        return engine_error(e).body()
     return P.error_body(f"internal error: {e!r}", "internal_error", code="internal_error")
 
 

@@ -335,3 +335,39 @@ def test_every_key_and_the_tenant_header_pass_the_ingress(prefix_server):
     after_prompt = tenant_counts(prefix_server, "conveyor:tenant_prompt_tokens_total")
     assert {t: after[t] - before.get(t, 0.0) for t in ("blue", "green")} == {"blue": 3, "green": 3}, after
     assert after_prompt.get("red", 0.0) > before_prompt.get("red", 0.0), after_prompt
+
+
+def test_sigterm_drains_the_ingress_then_exits_0(prefix_server):
+    """Last in this module (it stops the shared server). SIGTERM: the ingress answers new requests and
+    /health with 503 draining (Retry-After), the requests it relays (16 of 400 tokens) all finish, then
+    the server exits 0."""
+    import json
+
+    client = prefix_server.client()
+    done: list[int] = []
+
+    def one(i: int) -> None:
+        out = client.completions.create(model=MODEL, prompt=f"drain {i}", max_tokens=400,
+                                        extra_body={"ignore_eos": True})
+        done.append(out.usage.completion_tokens)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while sum(d.get("conveyor:num_requests_running", 0.0) for d in prefix_server.metrics_by_replica().values()) < 8:
+        assert time.monotonic() < deadline, "the requests did not start"
+        time.sleep(0.01)
+    prefix_server.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while (h := httpx.get(prefix_server.url + "/health", timeout=10)).status_code == 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert h.status_code == 503 and h.json()["status"] == "draining" and h.headers["retry-after"], h.text
+    r = httpx.post(prefix_server.url + "/v1/completions", headers=prefix_server.headers, timeout=10,
+                   json={"model": MODEL, "prompt": "late", "max_tokens": 2})
+    assert r.status_code == 503 and json.loads(r.text)["error"]["code"] == "draining", r.text
+    for t in threads:
+        t.join(120)
+    assert done == [400] * 16, done
+    assert prefix_server.proc.wait(120) == 0, server_output(prefix_server.proc)[-3000:]

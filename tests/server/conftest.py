@@ -135,8 +135,11 @@ def tiny_config(model_dir, **overrides) -> EngineConfig:
 
 @contextlib.contextmanager
 def run_server(config: EngineConfig, args: ServerArgs | None = None) -> Iterator[Server]:
-    args = args or ServerArgs()
-    if args.responses_dir is None:  # never the user's own store (~/.local/share/conveyor/responses)
+    """A real server in this process, its engine loop in a thread whatever the default loop is: the tests
+    that use it reach into the engine (`app.state.engine.client.engine`) to slow or break its steps. Its
+    Responses store is a temporary directory, never the user's own (~/.local/share/conveyor/responses)."""
+    args = dataclasses.replace(args or ServerArgs(), engine_loop="thread")
+    if args.responses_dir is None:
         args = dataclasses.replace(args, responses_dir=tempfile.mkdtemp(prefix="conveyor-responses-"))
     app = build_app(config, args)
     sock = free_socket()
