@@ -206,7 +206,7 @@ def test_openai_sdk_streams_and_continues(client):
 def test_agents_sdk_responses_model_streams_calls_and_returns_structured_output(url):
     import asyncio
 
-    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool
+    from agents import Agent, ModelSettings, OpenAIProvider, OpenAIResponsesModel, RunConfig, Runner, function_tool
     from openai.types.responses import ResponseTextDeltaEvent
 
     async def streamed() -> tuple[str, str]:
@@ -240,10 +240,13 @@ def test_agents_sdk_responses_model_streams_calls_and_returns_structured_output(
     kinds, final = asyncio.run(streamed_call())
     assert "response.function_call_arguments.delta" in kinds and kinds[-1] == "response.completed"
     assert len(calls) == 1 and final == f"18 C in {calls[0]}"
-    agent = Agent(name="s", instructions="Answer in JSON.", output_type=City,
-                  model=OpenAIResponsesModel(model=MODEL, openai_client=async_client(url)),
+    # a model given by name, as most agents are: the SDK's default provider picks its Responses model
+    agent = Agent(name="s", instructions="Answer in JSON.", output_type=City, model=MODEL,
                   model_settings=ModelSettings(temperature=0, max_tokens=60))
-    assert isinstance(Runner.run_sync(agent, QUESTION).final_output, City)  # strict json_schema text.format
+    result = Runner.run_sync(agent, QUESTION, run_config=RunConfig(
+        model_provider=OpenAIProvider(openai_client=async_client(url))))
+    assert isinstance(result.final_output, City)  # a strict json_schema text.format
+    assert [r.response_id[:5] for r in result.raw_responses] == ["resp_"]
 
 
 def test_agents_sdk_chat_completions_model_calls_a_tool(url):
