@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import copy
 import json
-import logging
 import re
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -44,8 +43,6 @@ from conveyor.server.http import ApiError, bad_request, bearer_token
 from conveyor.server.responses_store import ResponseStore, StoredResponse, owner_key
 from conveyor.server.serving import OpenAIServing, parse_model
 from conveyor.server.streaming import SSEResponse, StreamCounts, StreamFormat, sse_event, stream_events
-
-log = logging.getLogger("conveyor.server.responses")
 
 # chat's names for what the Responses API calls otherwise (in a 400's `param` and message)
 _PARAM_NAMES = [(re.compile(r"tools\[(\d+)\]\.function\."), r"tools[\1]."), (re.compile(r"\bmessages\b"), "input"),
@@ -270,7 +267,7 @@ class OpenAIServingResponses(OpenAIServing):
         try:
             return await self._create(data, request)
         except ApiError as e:
-            raise _renamed(e) from None
+            raise (_renamed(e) if e.status == 400 else e) from None
 
     async def _create(self, data: dict, request: Request) -> Response:
         refused = R.unsupported(data)
