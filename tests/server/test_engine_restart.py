@@ -191,8 +191,14 @@ def test_engine_process_killed_ten_times_under_load_then_a_crash_loop_exits_1(ti
             t.start()
         kill_times: list[float] = []
         rng = random.Random(48)
+        served = lambda: sum(o.kind == "ok" for o in outcomes)  # noqa: E731
+        served_at_kill = 0
         while len(kill_times) < kills:
             wait_healthy(url, proc, timeout=60)
+            deadline = time.monotonic() + 60  # every engine serves a request before it dies, however slow the machine
+            while served() <= served_at_kill:
+                assert time.monotonic() < deadline, "no request completed on the new engine"
+                time.sleep(0.01)
             deadline = time.monotonic() + 30
             while metric_sum(url, "conveyor:num_requests_running") < 1:  # kill under load
                 assert time.monotonic() < deadline, "no request is running"
@@ -202,6 +208,7 @@ def test_engine_process_killed_ten_times_under_load_then_a_crash_loop_exits_1(ti
             assert len(victims) == 1, victims
             os.kill(victims[0], signal.SIGKILL)
             kill_times.append(time.monotonic())
+            served_at_kill = served()
             if len(kill_times) == kills // 2:  # and the next engine at once, while it may still be loading
                 deadline = time.monotonic() + 10
                 while not (new := [p for p in engine_pids(proc) if p != victims[0]]):
@@ -223,7 +230,7 @@ def test_engine_process_killed_ten_times_under_load_then_a_crash_loop_exits_1(ti
         bad = [o for o in outcomes if o.kind == "bad"]
         assert not bad, bad[:5]
         kinds = {k: sum(o.kind == k for o in outcomes) for k in ("ok", "restarted", "loading")}
-        assert kinds["restarted"] >= 1 and kinds["ok"] >= 20, kinds
+        assert kinds["restarted"] >= 1 and kinds["ok"] >= kills, kinds
         # requests that were waiting when the engine died ran on the next one: sent before a kill, completed after
         spanned = [o for o in outcomes if o.kind == "ok" and any(o.sent < t < o.done for t in kill_times)]
         assert spanned, (kinds, kill_times)
