@@ -24,6 +24,7 @@ arithmetic in torch (activation blocks quantized to int8, exact integer sums, th
 from __future__ import annotations
 
 import logging
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 
@@ -122,7 +123,10 @@ def _pack(weights: list[GGUFWeight]) -> tuple[torch.Tensor, torch.Tensor]:
     meta, at = [], 0
     for w in weights:
         ty = GGML_TYPES[w.qtype]
-        part = ops.gguf_pack(ty, torch.from_numpy(np.ascontiguousarray(w.raw)), w.shape[1])
+        with warnings.catch_warnings():  # the file's read-only mapping: gguf_pack only reads it
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.from_numpy(np.ascontiguousarray(w.raw))
+        part = ops.gguf_pack(ty, raw, w.shape[1])
         packed[at:at + w.nbytes].copy_(part)
         meta.append((ty, w.shape[0], at))
         at += w.nbytes
@@ -205,8 +209,11 @@ def quantize_rows(x: torch.Tensor, qk: int) -> tuple[torch.Tensor, torch.Tensor,
     m, k = x.shape
     xb = x.float().reshape(m, k // qk, qk)
     amax = xb.abs().amax(-1)
-    d = amax / 127.0
-    inv = torch.where(amax > 0, 127.0 / torch.where(amax > 0, amax, 1.0), torch.zeros_like(amax))
+    # tensor by tensor: torch turns a division by (or of) a Python scalar into a multiplication by a rounded
+    # reciprocal, one ulp off the kernel's division now and then
+    c127 = torch.full_like(amax, 127.0)
+    d = amax / c127
+    inv = torch.where(amax > 0, c127 / torch.where(amax > 0, amax, 1.0), torch.zeros_like(amax))
     q = torch.round(xb * inv[..., None]).clamp(-127, 127).to(torch.int8).reshape(m, k)
     sums = q.reshape(m, k // 16, 16).sum(-1, dtype=torch.int32)
     return q, d, sums
@@ -249,7 +256,8 @@ def decode(w: GGUFWeight) -> dict[str, torch.Tensor]:
         q = np.stack([qs.reshape(-1, 4, 32) & 15, qs.reshape(-1, 4, 32) >> 4], axis=2).reshape(-1, 256).astype(np.int64)
         if w.qtype == "Q5_K":
             qh = b[:, 16:48]
-            q |= ((qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1).reshape(-1, 256).astype(np.int64) << 4
+            bit = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # [blocks, sub-block, 32]
+            q |= bit.reshape(-1, 256).astype(np.int64) << 4
         out["q"] = torch.from_numpy(q).reshape(n, k)
     else:  # Q6_K
         ql, qh = b[:, :128].reshape(-1, 2, 64), b[:, 128:192].reshape(-1, 2, 32)

@@ -325,32 +325,85 @@ class LlamaModel(nn.Module):
                         pass
         return out
 
+    def gguf_modules(self) -> dict[str, list[str]]:
+        """This model's weight-holding modules and the HF weights each is made of (q/k/v and gate/up fused)."""
+        out = {"embed_tokens": ["model.embed_tokens.weight"], "lm_head": ["lm_head.weight"]}
+        for i in range(self.cfg.num_layers):
+            a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            out[f"layers.{i}.self_attn.qkv_proj"] = [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]
+            out[f"layers.{i}.self_attn.o_proj"] = [a + "o_proj.weight"]
+            out[f"layers.{i}.mlp.gate_up_proj"] = [m + "gate_proj.weight", m + "up_proj.weight"]
+            out[f"layers.{i}.mlp.down_proj"] = [m + "down_proj.weight"]
+        return out
+
+    def install_gguf(self, weights: dict, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> int:
+        """Serve a GGUF's kept block weights (HF names -> GGUFWeight, model/gguf_weights.py) as they ship: every
+        module all of whose weights are kept becomes a GGUFLinear (the embedding a GGUFEmbedding, its tied LM
+        head a GGUFLinear on the same blocks); a kept weight of a module whose other parts are not is
+        dequantized into `tensors` instead. Call before `load_hf_state_dict`, which then skips those modules.
+        Returns the number of GGUF modules."""
+        from conveyor.model.gguf_weights import GGUFEmbedding, GGUFLinear
+
+        if self.cfg.qkv_bias or self.cfg.o_bias or self.cfg.mlp_bias:
+            raise ValueError("GGUF block weights with biases are not supported")
+        count = 0
+        for mod, names in self.gguf_modules().items():
+            parts = [weights.get(n) for n in names]
+            if mod == "lm_head" and parts[0] is None and self.cfg.tie_word_embeddings and isinstance(
+                    self.embed_tokens, GGUFEmbedding):
+                self.lm_head = self.embed_tokens.table  # the tied head reads the embedding's blocks
+                count += 1
+                continue
+            if not any(p is not None for p in parts):
+                continue
+            if not all(p is not None for p in parts):
+                for n, p in zip(names, parts):
+                    if p is not None:
+                        tensors[n] = p.dequantize()
+                continue
+            linear = GGUFLinear(parts, dtype)
+            if mod == "embed_tokens":
+                self.embed_tokens = GGUFEmbedding(linear, dtype)
+            else:
+                parent, _, attr = mod.rpartition(".")
+                setattr(self.get_submodule(parent) if parent else self, attr, linear)
+            count += 1
+        return count
+
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Take weights named as in HF's LlamaForCausalLM, fusing q/k/v and gate/up."""
+        """Take weights named as in HF's LlamaForCausalLM, fusing q/k/v and gate/up. Modules `install_gguf`
+        replaced hold their weights already: theirs are not looked for."""
+        plain = {mod for mod in self.gguf_modules() if isinstance(self.get_submodule(mod), (nn.Linear, nn.Embedding))}
         sd: dict[str, torch.Tensor] = {}
         get = tensors.pop
-        sd["embed_tokens.weight"] = get("model.embed_tokens.weight")
+        if "embed_tokens" in plain:
+            sd["embed_tokens.weight"] = get("model.embed_tokens.weight")
         sd["norm.weight"] = get("model.norm.weight")
         tied = self.cfg.tie_word_embeddings or "lm_head.weight" not in tensors
         head = tensors.pop("lm_head.weight", None)
-        sd["lm_head.weight"] = sd["embed_tokens.weight"] if tied else head
+        if "lm_head" in plain:
+            sd["lm_head.weight"] = sd["embed_tokens.weight"] if tied else head
         for i in range(self.cfg.num_layers):
             p = f"model.layers.{i}."
             sd[f"layers.{i}.input_layernorm.weight"] = get(p + "input_layernorm.weight")
             sd[f"layers.{i}.post_attention_layernorm.weight"] = get(p + "post_attention_layernorm.weight")
             a = p + "self_attn."
-            sd[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat(
-                [get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")])
+            if f"layers.{i}.self_attn.qkv_proj" in plain:
+                sd[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat(
+                    [get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")])
             if self.cfg.qkv_bias:
                 sd[f"layers.{i}.self_attn.qkv_proj.bias"] = torch.cat(
                     [get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias")])
-            sd[f"layers.{i}.self_attn.o_proj.weight"] = get(a + "o_proj.weight")
+            if f"layers.{i}.self_attn.o_proj" in plain:
+                sd[f"layers.{i}.self_attn.o_proj.weight"] = get(a + "o_proj.weight")
             if self.cfg.o_bias:
                 sd[f"layers.{i}.self_attn.o_proj.bias"] = get(a + "o_proj.bias")
             m = p + "mlp."
-            sd[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
-                [get(m + "gate_proj.weight"), get(m + "up_proj.weight")])
-            sd[f"layers.{i}.mlp.down_proj.weight"] = get(m + "down_proj.weight")
+            if f"layers.{i}.mlp.gate_up_proj" in plain:
+                sd[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
+                    [get(m + "gate_proj.weight"), get(m + "up_proj.weight")])
+            if f"layers.{i}.mlp.down_proj" in plain:
+                sd[f"layers.{i}.mlp.down_proj.weight"] = get(m + "down_proj.weight")
             if self.cfg.mlp_bias:
                 sd[f"layers.{i}.mlp.gate_up_proj.bias"] = torch.cat(
                     [get(m + "gate_proj.bias"), get(m + "up_proj.bias")])
@@ -363,5 +416,5 @@ class LlamaModel(nn.Module):
         if missing or unexpected:
             raise ValueError(f"checkpoint does not fit the model: missing {missing[:5]}, "
                              f"unexpected {unexpected[:5]}")
-        if tied:
+        if tied and {"lm_head", "embed_tokens"} <= plain:
             self.lm_head.weight = self.embed_tokens.weight

@@ -65,7 +65,8 @@ class LoadedCheckpoint:
     tensors: dict[str, torch.Tensor]  # HF names
     tokenizer: object  # a transformers tokenizer
     path: str
-    # weights the file holds already quantized, kept as shipped (HF names; GGUF Q4_0/Q4_1, when asked)
+    # weights the file holds already quantized, kept as shipped (HF names): GGUF Q4_0/Q4_1 as QuantizedWeight
+    # under --quantization int4, GGUF block weights as GGUFWeight (model/gguf_weights.py)
     quantized: dict = field(default_factory=dict)
 
 
@@ -116,11 +117,13 @@ def _download(repo_id: str) -> Path:
 
 
 def load_checkpoint(model: str, tokenizer: str | None = None, quantization: str | None = None) -> LoadedCheckpoint:
-    """`quantization="int4"` also keeps a GGUF's Q4_0/Q4_1 weights as they are (`LoadedCheckpoint.quantized`)."""
+    """`quantization="int4"` also keeps a GGUF's Q4_0/Q4_1 weights as they are (`LoadedCheckpoint.quantized`);
+    a GGUF's block weights that `gguf_weights.keep_policy` keeps (by default a k-quant, Q8_0, Q4_0 or Q5_0/1
+    file's) come as `GGUFWeight`s in `quantized` instead of `tensors`."""
     kind, path = resolve(model)
     quantized = {}
     if kind == "gguf":
-        cfg, tensors = _load_gguf(path)
+        cfg, tensors, quantized = _load_gguf(path, quantization)
         tok = _gguf_tokenizer(path) if tokenizer is None else _hf_tokenizer(tokenizer)
         if quantization == "int4":
             quantized = _gguf_quantized(path, cfg)
@@ -200,19 +203,28 @@ def _gguf_cache_key(path: Path) -> str:
     return hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
 
 
-def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Dequantize a GGUF to float32 HF-named tensors. Dequantizing takes seconds, so the result is
-    cached as safetensors (exactly the same values) and reused while the file is unchanged."""
+def _load_gguf(path: Path, quantization: str | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
+    """Dequantize a GGUF to float32 HF-named tensors, but for the block weights kept as they ship (returned
+    apart, HF names -> GGUFWeight). Dequantizing takes seconds, so a fully dequantized file is cached as
+    safetensors (exactly the same values) and reused while the file is unchanged."""
+    import gguf
     from safetensors.torch import load_file, save_file
 
+    from conveyor.model import gguf_weights
+
+    reader = gguf.GGUFReader(str(path))
+    keep = gguf_weights.keep_policy(reader.tensors, quantization)
+    if keep:  # the kept blocks stay in the file's mapping until packed; what is left to dequantize is small
+        return _dequantize_gguf(path, reader, keep)
+    del reader
     cached = cache_dir() / "weights" / f"{_gguf_cache_key(path)}.safetensors"
     cfg_file = cached.with_suffix(".json")
     if cached.exists() and cfg_file.exists():
         try:
-            return ModelConfig(**json.loads(cfg_file.read_text())), load_file(str(cached))
+            return ModelConfig(**json.loads(cfg_file.read_text())), load_file(str(cached)), {}
         except Exception:
             log.warning("weight cache %s unreadable; dequantizing again", cached)
-    cfg, tensors = _dequantize_gguf(path)
+    cfg, tensors, _ = _dequantize_gguf(path)
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
         tmp = cached.with_suffix(".tmp")
@@ -221,7 +233,7 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         cfg_file.write_text(json.dumps(cfg.__dict__))
     except OSError as e:
         log.warning("could not cache dequantized weights in %s: %s", cached, e)
-    return cfg, tensors
+    return cfg, tensors, {}
 
 
 GGUF_KEPT_TYPES = ("Q4_0", "Q4_1")  # map exactly onto the int4 kernel (conveyor/model/quantization.py)
@@ -267,10 +279,15 @@ def _gguf_quantized(path: Path, cfg: ModelConfig) -> dict:
     return out
 
 
-def _dequantize_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def _dequantize_gguf(path: Path, reader=None, keep: frozenset[str] = frozenset()
+                     ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
+    """(config, dequantized tensors, kept block weights): a tensor of a type in `keep` stays as its blocks
+    (gguf_weights.kept: the one per-tensor decision), every other one is dequantized."""
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
+    from conveyor.model import gguf_weights
+
+    reader = reader or gguf.GGUFReader(str(path))
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: "
@@ -280,18 +297,26 @@ def _dequantize_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     kv_heads = int(_field(reader, f"{a}.attention.head_count_kv", heads))
     hidden = int(_field(reader, f"{a}.embedding_length"))
     tensors: dict[str, torch.Tensor] = {}
+    kept: dict = {}
     for t in reader.tensors:
-        arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        arr = np.asarray(arr, dtype=np.float32).reshape(tuple(int(x) for x in reversed(t.shape)))
         name = _gguf_name(t.name)
         if name is None:
             continue
-        if name.endswith("self_attn.q_proj.weight"):
-            arr = unpermute(arr, heads)
-        elif name.endswith("self_attn.k_proj.weight"):
-            arr = unpermute(arr, kv_heads)
+        n_head = heads if name.endswith("self_attn.q_proj.weight") else (
+            kv_heads if name.endswith("self_attn.k_proj.weight") else None)
+        block_weight = gguf_weights.kept(t, keep)
+        if block_weight is not None:
+            if n_head is not None:
+                block_weight = block_weight.permute_rows(lambda a, h=n_head: unpermute(a, h))
+            kept[name] = block_weight
+            continue
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        arr = np.asarray(arr, dtype=np.float32).reshape(tuple(int(x) for x in reversed(t.shape)))
+        if n_head is not None:
+            arr = unpermute(arr, n_head)
         tensors[name] = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
-    vocab = tensors["model.embed_tokens.weight"].shape[0]
+    embed = tensors.get("model.embed_tokens.weight")
+    vocab = embed.shape[0] if embed is not None else kept["model.embed_tokens.weight"].shape[0]
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     cfg = ModelConfig(
         vocab_size=vocab,
@@ -304,11 +329,11 @@ def _dequantize_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         rms_norm_eps=float(_field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(_field(reader, f"{a}.rope.freq_base", 10000.0)),
         max_position_embeddings=int(_field(reader, f"{a}.context_length", 2048)),
-        tie_word_embeddings="lm_head.weight" not in tensors,
+        tie_word_embeddings="lm_head.weight" not in tensors and "lm_head.weight" not in kept,
         eos_token_ids=[int(eos)] if eos is not None else [],
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
     )
-    return cfg, tensors
+    return cfg, tensors, kept
 
 
 def _gguf_tokenizer(path: Path):

@@ -25,9 +25,11 @@ from conveyor import startup
 from conveyor.config import DTYPES, EngineConfig
 from conveyor.kernels.variants import cpu_info
 from conveyor.model.attention import KV_SCALE_DTYPE, build_metadata, cache_shapes, choose_backend, scale_shape
+from conveyor.model.gguf_weights import GGUFLinear, GGUFWeight
 from conveyor.model.llama import LlamaModel, ModelConfig, rope_inv_freq
 from conveyor.model.packed_linear import PackedLinear, available_kernels, pack_linears, packing_available
 from conveyor.model.quantization import (
+    KERNEL_DTYPES,
     QuantizedLinear,
     dense_rows_note,
     quantization_available,
@@ -93,7 +95,19 @@ class ModelRunner:
         self.block_size = config.block_size
         with torch.device("meta"):
             model = LlamaModel(cfg)
-        prequantized = model.fuse_quantized(quantized) if quantized and config.quantization else {}
+        # a GGUF's block weights kept as shipped (model/gguf_weights.py); the int4 path's QuantizedWeights apart
+        gguf = {k: v for k, v in (quantized or {}).items() if isinstance(v, GGUFWeight)}
+        quantized = {k: v for k, v in (quantized or {}).items() if not isinstance(v, GGUFWeight)}
+        method = config.quantization if config.quantization in ("int8", "int4") else None
+        prequantized = model.fuse_quantized(quantized) if quantized and method else {}
+        self.gguf_modules = 0
+        if gguf and (self.device.type != "cpu" or resolve_dtype(config.dtype, self.device) not in KERNEL_DTYPES):
+            log.warning("GGUF block weights run on CPU kernels only: dequantizing them for %s", self.device)
+            tensors.update({k: v.dequantize() for k, v in gguf.items()})
+        elif gguf:
+            self.gguf_modules = model.install_gguf(gguf, tensors, resolve_dtype(config.dtype, self.device))
+            kinds = sorted({t for m in model.modules() if isinstance(m, GGUFLinear) for t in m.qtypes})
+            log.info("GGUF block weights served as shipped: %d modules (%s)", self.gguf_modules, ", ".join(kinds))
         model.load_hf_state_dict(tensors)
         model.inv_freq = rope_inv_freq(cfg).float()
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
@@ -103,23 +117,23 @@ class ModelRunner:
         self.attention_backend = choose_backend(config.attention_backend, self.device, self.dtype, cfg.num_heads,
                                                 cfg.num_kv_heads, cfg.head_dim)
         self.model.use_fused_ops(self.attention_backend == "kernel")
-        self.quantization = config.quantization
-        self.weight_dtype = config.quantization or str(self.dtype).removeprefix("torch.")
-        if config.quantization:
+        self.quantization = method
+        self.weight_dtype = method or ("gguf" if self.gguf_modules else str(self.dtype).removeprefix("torch."))
+        if method:
             why = quantization_available(self.device, self.dtype)
             if why is not None:
-                raise ValueError(f"--quantization {config.quantization} is not available: {why}")
-            counts = quantize_model(self.model, config.quantization, self.dtype, prequantized)
+                raise ValueError(f"--quantization {method} is not available: {why}")
+            counts = quantize_model(self.model, method, self.dtype, prequantized)
             threshold = tune_dense_threshold(self.model, config.max_num_batched_tokens)
             log.info("weights: %s (%d linear layers, %d kept as the checkpoint ships them); %s",
-                     config.quantization, counts["quantized"], counts["from_checkpoint"], dense_rows_note(threshold))
+                     method, counts["quantized"], counts["from_checkpoint"], dense_rows_note(threshold))
         self.packed_linears = 0
         if config.packed_linear and packing_available(self.device, self.dtype):
             self.packed_linears = pack_linears(self.model)
         # every op on the compiled CPU path gives a token a result that depends only on its own request
         # (tests/engine/test_batch_invariance.py); the torch reference path (CUDA, no compiler) does not
-        linears = [m for m in self.model.modules() if isinstance(m, (PackedLinear, QuantizedLinear))]
-        self.quantized_linears = sum(1 for m in linears if isinstance(m, QuantizedLinear))
+        linears = [m for m in self.model.modules() if isinstance(m, (PackedLinear, QuantizedLinear, GGUFLinear))]
+        self.quantized_linears = sum(1 for m in linears if isinstance(m, (QuantizedLinear, GGUFLinear)))
         self.batch_invariant = (self.attention_backend == "kernel" and bool(linears)
                                 and all(m.batch_invariant for m in linears))
         self.lora = None  # LoRAManager when adapters are enabled (conveyor/lora)
