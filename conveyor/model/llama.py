@@ -237,11 +237,13 @@ class LlamaModel(nn.Module):
         cache, and every linear packed for one of our bf16 kernels, without bias (q/k/v's aside, below). The
         same kernels run in the same order, so outputs are bit-identical; what goes is ~20 Python-level calls
         per layer (about 4 ms of a 17 ms one-stream decode step on a 2-core Zen 3). int8 and int4 layers on our
-        kernels qualify too, for the steps their dense copies (see quantization.py) do not take, and so do
-        Qwen2's q/k/v biases (added by the same torch op as the loop adds them). Returns whether it is on.
+        kernels qualify too, for the steps their dense copies (see quantization.py) do not take, GGUF block
+        weights (gguf_weights.py) too, and so do Qwen2's q/k/v biases (added by the same torch op as the loop
+        adds them). Returns whether it is on.
 
         Anything else (LoRA's wrapped linears, oneDNN or torch's linears, the torch reference path, an int8 KV
         cache at call time) keeps the Python loop, which stays the reference."""
+        from conveyor.model.gguf_weights import GGUFLinear
         from conveyor.model.packed_linear import _OPS, PackedLinear
         from conveyor.model.quantization import QuantizedLinear
 
@@ -252,6 +254,8 @@ class LlamaModel(nn.Module):
                 return _OPS[m.kernel], [m.packed]
             if type(m) is QuantizedLinear and m.ours:
                 return f"linear_int{m.bits}", [m.qweight, m.scales]
+            if type(m) is GGUFLinear:
+                return "gguf_linear", [m.packed, m.meta]
             return None
 
         self.fused_body, self.fused_max_rows = None, None

@@ -272,3 +272,18 @@ def test_kquant_greedy_is_batch_invariant(kquant_gguf):
                                                              use_tqdm=False)]
     alone = [llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     assert together == alone
+
+
+def test_decoder_layers_in_one_call_give_the_loops_bits(kquant_gguf):
+    """GGUF linears qualify for the compiled decoder body (`LlamaModel.fuse_body`): the same kernels in the same
+    order, so the logits are the Python loop's, bit for bit."""
+    from conveyor import LLM
+
+    llm = LLM(str(kquant_gguf), dtype="bfloat16", num_kv_blocks=32, max_model_len=256)
+    model = llm.engine.model
+    assert model.fused_body is not None and model.fused_body[0] == "gguf_linear"
+    ids = list(range(3, 40))
+    fused = llm.engine.prompt_logits(ids)
+    assert not model.fuse_body(False)
+    loop = llm.engine.prompt_logits(ids)
+    assert torch.equal(fused, loop)

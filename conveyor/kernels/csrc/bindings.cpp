@@ -456,6 +456,18 @@ std::vector<conveyor::GGUFPart> gguf_parts(const at::Tensor& packed, const at::T
   return parts;
 }
 
+// A GGUF linear's K, from its first part's bytes (gguf_parts then checks every part against it).
+int64_t gguf_in_features(const at::Tensor& packed, const at::Tensor& meta) {
+  TORCH_CHECK(meta.scalar_type() == at::kLong && meta.dim() == 2 && meta.size(1) == 3 && meta.size(0) > 0 &&
+                  meta.is_contiguous(),
+              "gguf_linear: meta int64 [parts, 3] (type, columns, byte offset)");
+  const int64_t* mp = meta.data_ptr<int64_t>();
+  const auto [qk, bb] = gguf_block(mp[0]);
+  const int64_t end = meta.size(0) > 1 ? mp[5] : packed.numel(), bytes = end - mp[2];
+  TORCH_CHECK(qk > 0 && mp[1] > 0 && bytes > 0 && bytes % (mp[1] * bb) == 0, "gguf_linear: part 0's bytes do not fit");
+  return bytes / (mp[1] * bb) * qk;
+}
+
 // out [m, N] = x [m, K] @ W^T with W the GGUF parts (gguf_parts), each part's columns after the earlier parts'.
 at::Tensor gguf_linear(at::Tensor x, at::Tensor packed, at::Tensor meta) {
   TORCH_CHECK(table().gguf_linear != nullptr, "gguf_linear: the kernel variant '", table().name,
@@ -484,7 +496,7 @@ at::Tensor gguf_linear(at::Tensor x, at::Tensor packed, at::Tensor meta) {
 // estimate, ~0.6 ms a step; in process the A/B was within this VM's noise: docs/performance.md, 2026-12-04.)
 // weights: per layer (input norm, qkv, o, post-attention norm, gate_up, down), the linears all packed for
 // `linear` ("linear_bf16", "linear_amx" or "linear_avx2": one tensor each; "linear_int4" or "linear_int8":
-// two, q and the scales), no biases but Qwen2's q/k/v ones (`qkv_biases`: one per layer, or none). Returns (x, residual) as the last layer leaves them (the final norm is
+// two, q and the scales; "gguf_linear": two, the packed bytes and the parts' meta), no biases but Qwen2's q/k/v ones (`qkv_biases`: one per layer, or none). Returns (x, residual) as the last layer leaves them (the final norm is
 // Python's); the residual is `residual_in`, or x, updated in place.
 std::vector<at::Tensor> decoder_layers(at::Tensor x, c10::optional<at::Tensor> residual_in, at::Tensor cos,
                                        at::Tensor sin, const std::vector<at::Tensor>& weights,
@@ -495,13 +507,15 @@ std::vector<at::Tensor> decoder_layers(at::Tensor x, c10::optional<at::Tensor> r
   const Table& tb = table();
   const bool int4 = linear == "linear_int4", int8 = linear == "linear_int8";
   const bool bf16 = linear == "linear_bf16", amx = linear == "linear_amx", avx2 = linear == "linear_avx2";
+  const bool gguf = linear == "gguf_linear";  // GGUF block weights (linear_gguf.cpp): packed bytes and meta
   const bool dense = bf16 || amx || avx2;
   TORCH_CHECK((bf16 && tb.linear_bf16) || (amx && tb.linear_amx) || (avx2 && tb.linear_avx2) ||
-                  (int4 && tb.linear_int4) || (int8 && tb.linear_int8),
+                  (int4 && tb.linear_int4) || (int8 && tb.linear_int8) || (gguf && tb.gguf_linear),
               "decoder_layers: linear '", linear, "' is unknown or not in the variant '", tb.name, "'");
-  const int64_t k_multiple = int4 || amx ? 32 : 2;  // what each kernel needs of K
+  const int64_t k_multiple = int4 || amx ? 32 : gguf ? 1 : 2;  // what each kernel needs of K (GGUF: its parts')
   // tensors per linear (s), per layer (per)
-  const size_t layers = k_caches.size(), s = int4 || int8 ? 2 : 1, per = 2 + 4 * s;
+  const size_t layers = k_caches.size(), s = int4 || int8 || gguf ? 2 : 1, per = 2 + 4 * s;
+  std::vector<std::vector<conveyor::GGUFPart>> gguf_lin(gguf ? 4 * layers : 0);  // per layer and linear
   TORCH_CHECK(weights.size() == per * layers && v_caches.size() == layers && layers > 0 && x.dim() == 2 &&
                   x.is_contiguous(),
               "decoder_layers: ", per, " weights and one (K, V) cache per layer, x [T, hidden] contiguous");
@@ -529,6 +543,9 @@ std::vector<at::Tensor> decoder_layers(at::Tensor x, c10::optional<at::Tensor> r
                         lw[j][1].is_contiguous() && lw[j][1].dim() == 4 && lw[j][1].size(1) * 32 == q.size(1) * 2,
                     "decoder_layers: int4 weights as quantization.py packs them");
         out_w[j] = q.size(0) * 16, in_w[j] = q.size(1) * 2;
+      } else if (gguf) {
+        in_w[j] = gguf_in_features(q, lw[j][1]);
+        gguf_lin[4 * i + j] = gguf_parts(q, lw[j][1], in_w[j], &out_w[j]);
       } else if (int8) {
         TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 3 && lw[j][1].scalar_type() == at::kFloat &&
                         lw[j][1].is_contiguous() && lw[j][1].numel() == q.size(0) * 16,
@@ -585,8 +602,14 @@ std::vector<at::Tensor> decoder_layers(at::Tensor x, c10::optional<at::Tensor> r
   // qkv's piece as a tensor, for the biases' add_
   const at::Tensor qkv_t = ws.narrow(0, (static_cast<char*>(qkv) - static_cast<char*>(ws.data_ptr())) / es, t * qkv_w)
                                .view({t, qkv_w});
+  size_t layer = 0;  // the layer `apply` runs (for the GGUF parts)
   auto apply = [&](const void* in, const at::Tensor* w, void* o, int64_t k, int64_t n) {
-    if (int4)
+    if (gguf) {
+      // which of the layer's four linears `w` is: its tensors sit at 1, 1 + s, 2 + 2s, 2 + 3s in the layer's
+      const auto& parts = gguf_lin[4 * layer + (w - &weights[per * layer] - 1) / s];
+      const conveyor::GGUFLinearArgs a{in, o, parts.data(), static_cast<int64_t>(parts.size()), t, k, n, dt};
+      tb.gguf_linear(a);
+    } else if (int4)
       tb.linear_int4(dt, in, w[0].data_ptr<uint8_t>(), w[1].data_ptr<float>(), o, t, k, n);
     else if (int8)
       tb.linear_int8(dt, in, w[0].data_ptr<int8_t>(), w[1].data_ptr<float>(), o, t, k, n);
@@ -613,6 +636,7 @@ std::vector<at::Tensor> decoder_layers(at::Tensor x, c10::optional<at::Tensor> r
   for (size_t i = 0; i < layers; ++i) {
     // input norm, qkv, o, post-attention norm, gate_up, down
     const at::Tensor* w = &weights[per * i];
+    layer = i;
     // the first layer: the embeddings are the residual stream, normed alone; then residual += x, norm
     if (i == 0 && first_is_embedding)
       tb.rms_norm(dt, rp, nullptr, w[0].data_ptr(), t, hidden, static_cast<float>(eps), xn);
