@@ -46,11 +46,12 @@
 
 #include "kernel_api.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define CONVEYOR_GGUF_SIMD 512
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
 #define CONVEYOR_GGUF_SIMD 256
 #else
 #define CONVEYOR_GGUF_SIMD 0
@@ -473,35 +474,79 @@ void gguf_dequant_rows(int type, const uint8_t* packed, int64_t n, int64_t k, co
   });
 }
 
+namespace {
+
+// One block of qk floats -> q (int8), its scale, and its sums per 16 (the numerics at the top). The SIMD paths
+// do the same operations: amax (exact), d = amax / 127 and 127 / amax (IEEE divisions), x * (127 / amax) rounded
+// to the nearest even integer (vcvtps2dq under the default rounding mode, as nearbyint).
+inline void quantize_block(const float* xb, int64_t qk, int8_t* qb, float* d, int32_t* sums) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  __m512 mx = _mm512_setzero_ps();
+  for (int64_t i = 0; i < qk; i += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(xb + i)));
+  const float amax = _mm512_reduce_max_ps(mx);
+#elif defined(__AVX2__)
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 mx = _mm256_setzero_ps();
+  for (int64_t i = 0; i < qk; i += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(xb + i), absmask));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+  const float amax = _mm_cvtss_f32(m4);
+#else
+  float amax = 0.0f;
+  for (int64_t i = 0; i < qk; ++i) amax = std::max(amax, std::fabs(xb[i]));
+#endif
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  *d = amax / 127.0f;
+  for (int64_t s16 = 0; s16 < qk; s16 += 16) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + s16), _mm512_set1_ps(inv)));
+    q = _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + s16), _mm512_cvtepi32_epi8(q));
+    sums[s16 / 16] = _mm512_reduce_add_epi32(q);
+#elif defined(__AVX2__)
+    const __m256 iv = _mm256_set1_ps(inv);
+    __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + s16), iv));
+    __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + s16 + 8), iv));
+    const __m256i lim = _mm256_set1_epi32(127), nlim = _mm256_set1_epi32(-127);
+    q0 = _mm256_max_epi32(_mm256_min_epi32(q0, lim), nlim);
+    q1 = _mm256_max_epi32(_mm256_min_epi32(q1, lim), nlim);
+    const __m256i w16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xD8);  // 16 int16 in order
+    const __m128i b8 = _mm_packs_epi16(_mm256_castsi256_si128(w16), _mm256_extracti128_si256(w16, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + s16), b8);
+    __m256i t = _mm256_add_epi32(q0, q1);
+    __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
+    sums[s16 / 16] = _mm_cvtsi128_si32(t4);
+#else
+    int32_t acc = 0;
+    for (int64_t i = s16; i < s16 + 16; ++i) {
+      const float v = std::nearbyint(xb[i] * inv);  // round half to even (the default rounding mode)
+      qb[i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, v)));
+      acc += qb[i];
+    }
+    sums[s16 / 16] = acc;
+#endif
+  }
+}
+
+}  // namespace
+
 // x [m, k] (fp32 or bf16) -> per row: q int8 [k], d fp32 [k / qk], sums int32 [k / 16] (see the numerics above).
 void gguf_quantize_rows(DType dt, const void* x, int64_t m, int64_t k, int64_t qk, int8_t* q, float* d,
                         int32_t* sums) {
   parallel_for(0, m, 1, [&](int64_t r0, int64_t r1) {
-    std::vector<float> row(static_cast<size_t>(k));
+    std::vector<float> row(dt == DType::BF16 ? static_cast<size_t>(k) : 0);
     for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = static_cast<const float*>(x) + r * k;
       if (dt == DType::BF16) {
         const uint16_t* src = static_cast<const uint16_t*>(x) + r * k;
         for (int64_t i = 0; i < k; ++i) row[i] = bits_to_float(static_cast<uint32_t>(src[i]) << 16);
-      } else {
-        std::memcpy(row.data(), static_cast<const float*>(x) + r * k, sizeof(float) * k);
+        xr = row.data();
       }
-      for (int64_t b = 0; b < k / qk; ++b) {
-        const float* xb = row.data() + b * qk;
-        float amax = 0.0f;
-        for (int64_t i = 0; i < qk; ++i) amax = std::max(amax, std::fabs(xb[i]));
-        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        d[r * (k / qk) + b] = amax / 127.0f;
-        int8_t* qb = q + r * k + b * qk;
-        for (int64_t i = 0; i < qk; ++i) {
-          const float v = std::nearbyint(xb[i] * inv);  // round half to even (the default rounding mode)
-          qb[i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, v)));
-        }
-      }
-      for (int64_t s = 0; s < k / 16; ++s) {
-        int32_t acc = 0;
-        for (int i = 0; i < 16; ++i) acc += q[r * k + s * 16 + i];
-        sums[r * (k / 16) + s] = acc;
-      }
+      for (int64_t b = 0; b < k / qk; ++b)
+        quantize_block(xr + b * qk, qk, q + r * k + b * qk, d + r * (k / qk) + b, sums + r * (k / 16) + b * (qk / 16));
     }
   });
 }
@@ -661,19 +706,24 @@ inline void store16(DType dt, void* out, VF y) {
 
 inline int32_t x4_at(const int8_t* x) { int32_t v; std::memcpy(&v, x, 4); return v; }
 
-// Ask for the lines `kAhead` bytes past a chunk of `bytes` at p. Why: a decode step streams the weights from
-// memory, and per 64 bytes of k-quant weights the kernel runs ~12 instructions (unpacking, dot products, high
-// bits), so the out-of-order window holds fewer loads in flight than a bf16 kernel's; without asking ahead one
-// Zen 5 core read Q6_K at 8 GB/s, bf16 at 21.
-inline int64_t prefetch_distance() {
+// Ask for the lines a distance past a chunk of `bytes` at p. Why: a decode step streams the weights from memory,
+// and per 64 bytes of k-quant weights the kernel runs ~12 instructions (unpacking, dot products, high bits), so
+// the out-of-order window holds fewer loads in flight than a bf16 kernel's; without asking ahead one Zen 5 core
+// read Q6_K at 8 GB/s, bf16 at 21. The distance, measured on that machine (2 threads, a 4096 x 4096 weight cold,
+// the fastest of many calls): 4 KiB for the 4- to 6-bit types (Q4_K 66 GB/s, Q6_K 62; 2 KiB and 16 KiB slower),
+// 8 KiB for Q8_0, which consumes its bytes fastest (70 GB/s against 46-62 at 4 KiB). CONVEYOR_GGUF_PREFETCH=<bytes>
+// sets one distance for every type (0: none), to measure.
+inline int64_t prefetch_override() {
   static const int64_t d = [] {
     const char* e = std::getenv("CONVEYOR_GGUF_PREFETCH");
-    return e ? std::atoll(e) : int64_t{4096};
+    return e ? std::atoll(e) : int64_t{-1};
   }();
   return d;
 }
+template <int T>
 inline void prefetch_chunk(const uint8_t* p, int64_t bytes) {
-  const int64_t ahead = prefetch_distance();
+  const int64_t forced = prefetch_override();
+  const int64_t ahead = forced >= 0 ? forced : (T == Q8_0 ? 8192 : 4096);
   if (ahead <= 0) return;
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + ahead + off), _MM_HINT_T0);
 }
@@ -692,6 +742,19 @@ constexpr int kMaxRows = 4;  // rows per pass over a group's weights
 constexpr int kMaxRows = 2;
 #endif
 
+// Independent accumulators per row: a dot product's latency (~5 cycles) is longer than its issue, and one chain
+// per row left a one-row step waiting on it (hot in cache, 50 G weights/s on one Zen 5 core instead of ~100).
+// Integer sums: how they are split does not change a bit of the result.
+template <int R>
+constexpr int chains() { return R == 1 ? 4 : 2; }
+
+template <int R, int C>
+inline VI sum_chains(const VI (&a)[R][C], int r) {
+  VI s = a[r][0];
+  for (int c = 1; c < C; ++c) s = add(s, a[r][c]);
+  return s;
+}
+
 // R rows x one 16-column group of a 32-block type, over the whole K. w: the group's first chunk.
 template <int T, int R>
 void tile32(const Rows& x, const uint8_t* w, DType dt, void* out, int64_t ldo, size_t esize) {
@@ -707,20 +770,21 @@ void tile32(const Rows& x, const uint8_t* w, DType dt, void* out, int64_t ldo, s
     return c;
   }();
   constexpr int bb = T == Q8_0 ? 34 : T == Q4_0 ? 18 : T == Q4_1 ? 20 : T == Q5_0 ? 22 : 24;
-  constexpr int cb = 16 * bb;
-  constexpr int32_t offset = T == Q4_0 ? 8 : T == Q5_0 ? 16 : 0;
-  const int64_t nb = x.k / 32;
+  constexpr int cb = 16 * bb, C = chains<R>();
+  constexpr int32_t offset = (T == Q4_0 ? 8 : T == Q5_0 ? 16 : 0) + (T == Q8_0 ? kS8Bias : 0);
+  const int64_t nb = x.k / 32, ks = x.k / 16;
   VF y[R];
   for (int r = 0; r < R; ++r) y[r] = zero_f();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* ch = w + b * cb;
-    prefetch_chunk(ch, cb);
-    VI acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = zero_i();
+    prefetch_chunk<T>(ch, cb);
+    VI acc[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) acc[r][c] = zero_i();
     if (T == Q8_0) {
       for (int t = 0; t < 8; ++t) {
         const VI wv = load64(ch + l.body + 64 * t);
-        for (int r = 0; r < R; ++r) acc[r] = dot_s(acc[r], wv, x4_at(x.q + r * x.k + 32 * b + 4 * t));
+        for (int r = 0; r < R; ++r) acc[r][t % C] = dot_s(acc[r][t % C], wv, x4_at(x.q + r * x.k + 32 * b + 4 * t));
       }
     } else {
       for (int v = 0; v < 4; ++v) {
@@ -732,17 +796,16 @@ void tile32(const Rows& x, const uint8_t* w, DType dt, void* out, int64_t ldo, s
         }
         for (int r = 0; r < R; ++r) {
           const int8_t* xq = x.q + r * x.k + 32 * b;
-          acc[r] = dot_u(acc[r], lo, x4_at(xq + 4 * v));
-          acc[r] = dot_u(acc[r], hi, x4_at(xq + 16 + 4 * v));
+          acc[r][(2 * v) % C] = dot_u(acc[r][(2 * v) % C], lo, x4_at(xq + 4 * v));
+          acc[r][(2 * v + 1) % C] = dot_u(acc[r][(2 * v + 1) % C], hi, x4_at(xq + 16 + 4 * v));
         }
       }
     }
     const VF dw = half_lanes(ch);
     for (int r = 0; r < R; ++r) {
-      const int32_t bsum = x.s[r * (x.k / 16) + 2 * b] + x.s[r * (x.k / 16) + 2 * b + 1];
+      const int32_t bsum = x.s[r * ks + 2 * b] + x.s[r * ks + 2 * b + 1];
       const float dx = x.d[r * nb + b];
-      VI s = acc[r];
-      if (T == Q8_0) s = sub(s, set1(kS8Bias * bsum));
+      VI s = sum_chains(acc, r);
       if (offset) s = sub(s, set1(offset * bsum));
       y[r] = fma(mul(dw, set1f(dx)), to_f(s), y[r]);
       if (l.mins) y[r] = fma(mul(half_lanes(ch + l.mins), set1f(dx)), set1f(static_cast<float>(bsum)), y[r]);
@@ -751,61 +814,71 @@ void tile32(const Rows& x, const uint8_t* w, DType dt, void* out, int64_t ldo, s
   for (int r = 0; r < R; ++r) store16(dt, static_cast<char*>(out) + r * ldo * esize, y[r]);
 }
 
+// sc[c][2p] and sc[c][2p + 1] (6 bits) of a k-quant chunk's scale planes: plane `lo` (16 bytes), the columns'
+// high bits `hi` (u32 lanes), `shift` = 4p (scales) or 16 + 4p (mins)
+inline void six_bit_pair(const uint8_t* lo, VI hi, int shift, VI& a, VI& b) {
+  const VI l = u8_lanes(lo);
+  a = bor(band(l, 15), sll(band(srl(hi, shift), 3), 4));
+  b = bor(srl(l, 4), sll(band(srl(hi, shift + 2), 3), 4));
+}
+
 // R rows x one 16-column group of Q4_K or Q5_K.
 template <int T, int R>
 void tile_k45(const Rows& x, const uint8_t* w, DType dt, void* out, int64_t ldo, size_t esize) {
-  constexpr int cb = 16 * (T == Q4_K ? 144 : 176);
+  constexpr int cb = 16 * (T == Q4_K ? 144 : 176), C = chains<R>();
   constexpr int scales = 64, masks = 256, body = T == Q4_K ? 256 : 768;
   const int64_t nb = x.k / 256, ks = x.k / 16;
   VF y[R];
   for (int r = 0; r < R; ++r) y[r] = zero_f();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* ch = w + b * cb;
-    prefetch_chunk(ch, cb);
-    // sc[j] per lane, and the mins as int16 pairs (m[2p], m[2p + 1]) per lane for dot_w
-    VI sc[8], mp[4];
-    {
-      const VI hi = u32_lanes(ch + scales + 128);
-      for (int p = 0; p < 4; ++p) {
-        const VI ls = u8_lanes(ch + scales + 16 * p), lm = u8_lanes(ch + scales + 64 + 16 * p);
-        sc[2 * p] = bor(band(ls, 15), sll(band(srl(hi, 4 * p), 3), 4));
-        sc[2 * p + 1] = bor(srl(ls, 4), sll(band(srl(hi, 4 * p + 2), 3), 4));
-        const VI m0 = bor(band(lm, 15), sll(band(srl(hi, 16 + 4 * p), 3), 4));
-        const VI m1 = bor(srl(lm, 4), sll(band(srl(hi, 16 + 4 * p + 2), 3), 4));
-        mp[p] = bor(m0, sll(m1, 16));
+    prefetch_chunk<T>(ch, cb);
+    const VI hi_bits = u32_lanes(ch + scales + 128);
+    VI isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = zero_i();
+    for (int p = 0; p < 4; ++p) {  // sub-blocks 2p, 2p + 1
+      VI sc[2];
+      six_bit_pair(ch + scales + 16 * p, hi_bits, 4 * p, sc[0], sc[1]);
+      for (int h = 0; h < 2; ++h) {
+        const int j = 2 * p + h;
+        VI acc[R][C];
+        for (int r = 0; r < R; ++r)
+          for (int c = 0; c < C; ++c) acc[r][c] = zero_i();
+        for (int v = 0; v < 4; ++v) {
+          const VI wv = load64(ch + body + 256 * j + 64 * v);
+          VI lo = low4(wv), hi = high4(wv);
+          if (T == Q5_K) {
+            lo = add_where(lo, rd64(ch + masks + 64 * j + 8 * v), 16);
+            hi = add_where(hi, rd64(ch + masks + 64 * j + 8 * (v + 4)), 16);
+          }
+          for (int r = 0; r < R; ++r) {
+            const int8_t* xq = x.q + r * x.k + 256 * b + 32 * j;
+            acc[r][(2 * v) % C] = dot_u(acc[r][(2 * v) % C], lo, x4_at(xq + 4 * v));
+            acc[r][(2 * v + 1) % C] = dot_u(acc[r][(2 * v + 1) % C], hi, x4_at(xq + 16 + 4 * v));
+          }
+        }
+        for (int r = 0; r < R; ++r) isum[r] = add(isum[r], mul(sum_chains(acc, r), sc[h]));
       }
     }
-    VI isum[R], msum[R];
-    for (int r = 0; r < R; ++r) isum[r] = msum[r] = zero_i();
-    for (int j = 0; j < 8; ++j) {
-      VI acc[R];
-      for (int r = 0; r < R; ++r) acc[r] = zero_i();
-      for (int v = 0; v < 4; ++v) {
-        const VI wv = load64(ch + body + 256 * j + 64 * v);
-        VI lo = low4(wv), hi = high4(wv);
-        if (T == Q5_K) {
-          lo = add_where(lo, rd64(ch + masks + 64 * j + 8 * v), 16);
-          hi = add_where(hi, rd64(ch + masks + 64 * j + 8 * (v + 4)), 16);
-        }
-        for (int r = 0; r < R; ++r) {
-          const int8_t* xq = x.q + r * x.k + 256 * b + 32 * j;
-          acc[r] = dot_u(acc[r], lo, x4_at(xq + 4 * v));
-          acc[r] = dot_u(acc[r], hi, x4_at(xq + 16 + 4 * v));
-        }
-      }
-      for (int r = 0; r < R; ++r) isum[r] = add(isum[r], mul(acc[r], sc[j]));
+    // the mins: per lane, (m[2p], m[2p + 1]) as an int16 pair against each row's (sum of 2p, sum of 2p + 1)
+    VI mp[4];
+    for (int p = 0; p < 4; ++p) {
+      VI m0, m1;
+      six_bit_pair(ch + scales + 64 + 16 * p, hi_bits, 16 + 4 * p, m0, m1);
+      mp[p] = bor(m0, sll(m1, 16));
     }
     const VF dw = half_lanes(ch), dmin = half_lanes(ch + 32);
     for (int r = 0; r < R; ++r) {
       const int32_t* s = x.s + r * ks + 16 * b;
+      VI msum = zero_i();
       for (int p = 0; p < 4; ++p) {
         const int32_t b0 = s[4 * p] + s[4 * p + 1], b1 = s[4 * p + 2] + s[4 * p + 3];  // sums of sub-blocks 2p, 2p+1
-        msum[r] = dot_w(msum[r], mp[p], static_cast<int32_t>((static_cast<uint32_t>(b0) & 0xFFFF) |
-                                                             (static_cast<uint32_t>(b1) << 16)));
+        msum = dot_w(msum, mp[p], static_cast<int32_t>((static_cast<uint32_t>(b0) & 0xFFFF) |
+                                                       (static_cast<uint32_t>(b1) << 16)));
       }
       const VF dx = set1f(x.d[r * nb + b]);
       y[r] = fma(mul(dw, dx), to_f(isum[r]), y[r]);
-      y[r] = fma(neg(mul(dmin, dx)), to_f(msum[r]), y[r]);
+      y[r] = fma(neg(mul(dmin, dx)), to_f(msum), y[r]);
     }
   }
   for (int r = 0; r < R; ++r) store16(dt, static_cast<char*>(out) + r * ldo * esize, y[r]);
@@ -814,18 +887,19 @@ void tile_k45(const Rows& x, const uint8_t* w, DType dt, void* out, int64_t ldo,
 // R rows x one 16-column group of Q6_K.
 template <int R>
 void tile_q6k(const Rows& x, const uint8_t* w, DType dt, void* out, int64_t ldo, size_t esize) {
-  constexpr int cb = 16 * 210, scales = 32, masks = 288, body = 1312;
+  constexpr int cb = 16 * 210, scales = 32, masks = 288, body = 1312, C = chains<R>() / 2;  // chains per half
   const int64_t nb = x.k / 256, ks = x.k / 16;
   VF y[R];
   for (int r = 0; r < R; ++r) y[r] = zero_f();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* ch = w + b * cb;
-    prefetch_chunk(ch, cb);
+    prefetch_chunk<Q6_K>(ch, cb);
     VI isum[R];
     for (int r = 0; r < R; ++r) isum[r] = zero_i();
     for (int p = 0; p < 8; ++p) {  // 32 elements: sub-blocks 2p (low nibbles) and 2p + 1 (high)
-      VI a0[R], a1[R];
-      for (int r = 0; r < R; ++r) a0[r] = a1[r] = zero_i();
+      VI a0[R][C], a1[R][C];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) a0[r][c] = a1[r][c] = zero_i();
       for (int v = 0; v < 4; ++v) {
         const VI wv = load64(ch + body + 256 * p + 64 * v);
         const uint8_t* mk = ch + masks + 128 * p;
@@ -834,15 +908,15 @@ void tile_q6k(const Rows& x, const uint8_t* w, DType dt, void* out, int64_t ldo,
         hi = add_where(add_where(hi, rd64(mk + 16 * (v + 4)), 16), rd64(mk + 16 * (v + 4) + 8), 32);
         for (int r = 0; r < R; ++r) {
           const int8_t* xq = x.q + r * x.k + 256 * b + 32 * p;
-          a0[r] = dot_u(a0[r], lo, x4_at(xq + 4 * v));
-          a1[r] = dot_u(a1[r], hi, x4_at(xq + 16 + 4 * v));
+          a0[r][v % C] = dot_u(a0[r][v % C], lo, x4_at(xq + 4 * v));
+          a1[r][v % C] = dot_u(a1[r][v % C], hi, x4_at(xq + 16 + 4 * v));
         }
       }
       const VI s0 = s8_lanes(ch + scales + 16 * (2 * p)), s1 = s8_lanes(ch + scales + 16 * (2 * p + 1));
       for (int r = 0; r < R; ++r) {
         const int32_t* s = x.s + r * ks + 16 * b + 2 * p;
-        isum[r] = add(isum[r], mul(sub(a0[r], set1(32 * s[0])), s0));
-        isum[r] = add(isum[r], mul(sub(a1[r], set1(32 * s[1])), s1));
+        isum[r] = add(isum[r], mul(sub(sum_chains(a0, r), set1(32 * s[0])), s0));
+        isum[r] = add(isum[r], mul(sub(sum_chains(a1, r), set1(32 * s[1])), s1));
       }
     }
     const VF dw = half_lanes(ch);
