@@ -74,7 +74,7 @@ def random_gguf_linear(qtype: str, n: int, k: int, seed: int):
         raw[:, 0:2] = scale
         if qtype in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"):
             raw[:, 2:4] = scale
-    return GGUFLinear([GGUFWeight(qtype, raw.reshape(n, -1), (n, k))], torch.bfloat16)
+    return GGUFLinear([GGUFWeight.from_raw(qtype, raw.reshape(n, -1), (n, k))], torch.bfloat16)
 
 
 def bf16_linear(n: int, k: int):

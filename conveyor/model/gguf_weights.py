@@ -47,27 +47,36 @@ COLUMNS = 16  # the kernels' column group: a kept weight needs N % 16 == 0
 
 @dataclass
 class GGUFWeight:
-    """An [N, K] weight as a GGUF file holds it: `raw` [N, K / block elements * block bytes] uint8, row n being
-    output n's blocks in file order (q/k rows already in HF's RoPE order)."""
+    """An [N, K] weight of GGUF blocks, held in the kernels' layout (`gguf_pack`: the file's bytes rearranged, not
+    one changed), so that a load keeps one copy of it and none of the file's pages."""
 
     qtype: str
-    raw: np.ndarray
+    packed: torch.Tensor  # uint8 [bytes], gguf_pack's layout
     shape: tuple[int, int]
+
+    @staticmethod
+    def from_raw(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> GGUFWeight:
+        """From the file's bytes: `raw` [N, K / block elements * block bytes], row n being output n's blocks."""
+        with warnings.catch_warnings():  # a read-only file mapping: gguf_pack only reads it
+            warnings.simplefilter("ignore", UserWarning)
+            src = torch.from_numpy(np.ascontiguousarray(raw).reshape(shape[0], -1))
+        return GGUFWeight(qtype, kernels.load().gguf_pack(GGML_TYPES[qtype], src, shape[1]), shape)
+
+    def raw(self, rows: torch.Tensor | None = None) -> np.ndarray:
+        """The file's bytes of `rows` (default: all), [rows, row bytes]."""
+        rows = torch.arange(self.shape[0]) if rows is None else rows
+        return kernels.load().gguf_unpack_rows(GGML_TYPES[self.qtype], self.packed, *self.shape, rows).numpy()
 
     def dequantize(self) -> torch.Tensor:
         """fp32 [N, K], exactly as the loader dequantizes a file (gguf-py's dequantize)."""
         import gguf
 
-        arr = gguf.quants.dequantize(np.ascontiguousarray(self.raw), gguf.GGMLQuantizationType[self.qtype])
+        arr = gguf.quants.dequantize(self.raw(), gguf.GGMLQuantizationType[self.qtype])
         return torch.from_numpy(np.array(arr, dtype=np.float32).reshape(self.shape))
-
-    def permute_rows(self, fn) -> GGUFWeight:
-        """Rows reordered by `fn` (a function on [N, ...] arrays: GGUF's q/k RoPE order to HF's)."""
-        return GGUFWeight(self.qtype, np.ascontiguousarray(fn(self.raw)), self.shape)
 
     @property
     def nbytes(self) -> int:
-        return int(self.raw.size)
+        return self.packed.numel()
 
 
 # --- which tensors a load keeps -------------------------------------------------------------------------------
@@ -102,34 +111,57 @@ def keep_policy(tensors, quantization: str | None) -> frozenset[str]:
     return types
 
 
-def kept(t, types: frozenset[str]) -> GGUFWeight | None:
-    """The per-tensor decision: a GGUF tensor (a GGUFReader's) kept as blocks, or None to dequantize it."""
+def kept(t, types: frozenset[str], permute=None) -> GGUFWeight | None:
+    """The per-tensor decision: a GGUF tensor (a GGUFReader's) kept as blocks, or None to dequantize it.
+    `permute`: a function reordering its rows (as [N, ...] arrays: GGUF's q/k RoPE order to HF's). The weight
+    owns its bytes (packed here), and the tensor's pages of the file mapping are let go at once: a load then
+    holds the packed weights, not those and the file as well."""
     qtype = t.tensor_type.name
     if qtype not in types or len(t.shape) != 2:
         return None
     cols, rows = (int(x) for x in t.shape)
     if rows % COLUMNS:
         return None
-    return GGUFWeight(qtype, np.asarray(t.data).reshape(rows, -1), (rows, cols))
+    raw = np.asarray(t.data).reshape(rows, -1)
+    w = GGUFWeight.from_raw(qtype, raw if permute is None else permute(raw), (rows, cols))
+    _release(t.data)
+    return w
+
+
+def _release(view: np.ndarray) -> None:
+    """Let go of the pages of a file mapping that `view` (a view of a numpy memmap) covers: MADV_DONTNEED on clean
+    file pages drops them from this process (its RSS) and keeps them in the page cache; a later read faults
+    them back in. Best effort: anything but a view of a memmap is left alone."""
+    import mmap
+
+    root = view
+    while root is not None and not isinstance(getattr(root, "base", None), mmap.mmap):
+        root = getattr(root, "base", None)
+    if root is None or not isinstance(root, np.memmap) or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    mm, page = root.base, mmap.PAGESIZE
+    # where the view starts in the mapping (np.memmap maps from the offset rounded down to the granularity)
+    pos = (view.__array_interface__["data"][0] - root.__array_interface__["data"][0]
+           + root.offset % mmap.ALLOCATIONGRANULARITY)
+    first = pos // page * page
+    length = min(len(mm) - first, (pos + view.nbytes - first + page - 1) // page * page)
+    try:
+        if length > 0:
+            mm.madvise(mmap.MADV_DONTNEED, first, length)
+    except (OSError, ValueError):
+        pass
 
 
 # --- modules --------------------------------------------------------------------------------------------------
 
 def _pack(weights: list[GGUFWeight]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The parts' blocks in the kernel's layout, one after the other, and meta int64 [P, 3] (type, N, offset)."""
-    ops = kernels.load()
-    total = sum(w.nbytes for w in weights)
-    packed = torch.empty(total, dtype=torch.uint8)
+    """The parts' packed blocks one after the other (one part: its own tensor, no copy), and meta int64 [P, 3]
+    (type, N, byte offset)."""
     meta, at = [], 0
     for w in weights:
-        ty = GGML_TYPES[w.qtype]
-        with warnings.catch_warnings():  # the file's read-only mapping: gguf_pack only reads it
-            warnings.simplefilter("ignore", UserWarning)
-            raw = torch.from_numpy(np.ascontiguousarray(w.raw))
-        part = ops.gguf_pack(ty, raw, w.shape[1])
-        packed[at:at + w.nbytes].copy_(part)
-        meta.append((ty, w.shape[0], at))
+        meta.append((GGML_TYPES[w.qtype], w.shape[0], at))
         at += w.nbytes
+    packed = weights[0].packed if len(weights) == 1 else torch.cat([w.packed for w in weights])
     return packed, torch.tensor(meta, dtype=torch.int64)
 
 
@@ -157,22 +189,19 @@ class GGUFLinear(nn.Module):
         return [t for t, _ in self.parts]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        if x2.dtype not in (torch.float32, torch.bfloat16):
-            y = kernels.load().gguf_linear(x2.float(), self.packed, self.meta).to(x.dtype)
-        else:
-            y = kernels.load().gguf_linear(x2, self.packed, self.meta)
-        return y.view(*shape[:-1], self.out_features)
+        if x.dim() != 2:
+            return self.forward(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            return kernels.load().gguf_linear(x.float(), self.packed, self.meta).to(x.dtype)
+        return kernels.load().gguf_linear(x, self.packed, self.meta)
 
     def weights(self) -> list[GGUFWeight]:
-        """The parts as GGUF blocks again (the packing undone)."""
-        ops, out = kernels.load(), []
-        for (qtype, n), (ty, _, at) in zip(self.parts, self.meta.tolist()):
+        """The parts, each its own GGUFWeight (views of this module's bytes)."""
+        out = []
+        for (qtype, n), (_, _, at) in zip(self.parts, self.meta.tolist()):
             qk, bb = BLOCKS[qtype]
             nbytes = n * self.in_features // qk * bb
-            raw = ops.gguf_unpack_rows(ty, self.packed[at:at + nbytes], n, self.in_features, torch.arange(n))
-            out.append(GGUFWeight(qtype, raw.numpy(), (n, self.in_features)))
+            out.append(GGUFWeight(qtype, self.packed[at:at + nbytes], (n, self.in_features)))
         return out
 
     def dequantize(self) -> torch.Tensor:
@@ -226,7 +255,7 @@ def decode(w: GGUFWeight) -> dict[str, torch.Tensor]:
 
     n, k = w.shape
     qk, bb = BLOCKS[w.qtype]
-    b = np.ascontiguousarray(w.raw).reshape(n * (k // qk), bb)
+    b = w.raw().reshape(n * (k // qk), bb)
     f16 = lambda a: torch.from_numpy(a.copy().view(np.float16).astype(np.float32)).reshape(n, k // qk)  # noqa: E731
     out: dict[str, torch.Tensor] = {}
     if w.qtype == "Q8_0":

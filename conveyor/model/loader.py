@@ -304,10 +304,8 @@ def _dequantize_gguf(path: Path, reader=None, keep: frozenset[str] = frozenset()
             continue
         n_head = heads if name.endswith("self_attn.q_proj.weight") else (
             kv_heads if name.endswith("self_attn.k_proj.weight") else None)
-        block_weight = gguf_weights.kept(t, keep)
+        block_weight = gguf_weights.kept(t, keep, None if n_head is None else lambda a, h=n_head: unpermute(a, h))
         if block_weight is not None:
-            if n_head is not None:
-                block_weight = block_weight.permute_rows(lambda a, h=n_head: unpermute(a, h))
             kept[name] = block_weight
             continue
         arr = gguf.quants.dequantize(t.data, t.tensor_type)

@@ -34,7 +34,7 @@ def random_weight(qtype: str, n: int, k: int, seed: int = 0, scale: float = 0.02
     if qk == 32:
         w = (rng.standard_normal((n, k)) * scale).astype(np.float32)
         raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype])
-        return G.GGUFWeight(qtype, raw.reshape(n, -1), (n, k))
+        return G.GGUFWeight.from_raw(qtype, raw.reshape(n, -1), (n, k))
     blocks = n * (k // qk)
     raw = rng.integers(0, 256, size=(blocks, bb), dtype=np.uint8)
     half = lambda v: v.astype(np.float16).view(np.uint8).reshape(-1, 2)  # noqa: E731
@@ -53,7 +53,7 @@ def random_weight(qtype: str, n: int, k: int, seed: int = 0, scale: float = 0.02
         s[:, 8:12] = (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)
         d = rng.uniform(0.5, 1.5, blocks) * scale / (40 * top / 3.4)
         raw[:, 0:2], raw[:, 2:4] = half(d), half(d * top)
-    return G.GGUFWeight(qtype, raw.reshape(n, -1), (n, k))
+    return G.GGUFWeight.from_raw(qtype, raw.reshape(n, -1), (n, k))
 
 
 @pytest.fixture(scope="module")
@@ -67,16 +67,18 @@ def ops():
 def test_packing_keeps_every_byte_and_rows_dequantize_as_gguf_py(qtype, ops):
     """gguf_pack rearranges without changing a byte (unpacking gives the file's rows back), and a packed row
     dequantizes to exactly gguf-py's values (what the embedding lookup and the dequantized model use)."""
+    import gguf
+
     n, k = 48, 512
-    w = random_weight(qtype, n, k, seed=1)
+    raw = random_weight(qtype, n, k, seed=1).raw()  # the file's bytes, made as in a file
     ty = G.GGML_TYPES[qtype]
-    packed = ops.gguf_pack(ty, torch.from_numpy(w.raw), k)
-    assert packed.numel() == w.raw.size
+    packed = ops.gguf_pack(ty, torch.from_numpy(raw), k)
+    assert packed.numel() == raw.size and not torch.equal(packed, torch.from_numpy(raw).flatten())
     rows = torch.tensor([0, 5, 16, 47, 5])
-    np.testing.assert_array_equal(ops.gguf_unpack_rows(ty, packed, n, k, rows).numpy(), w.raw[rows.numpy()])
-    want = w.dequantize()
+    np.testing.assert_array_equal(ops.gguf_unpack_rows(ty, packed, n, k, rows).numpy(), raw[rows.numpy()])
+    want = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(n, k))
     torch.testing.assert_close(ops.gguf_dequant_rows(ty, packed, n, k, torch.arange(n)), want, atol=0, rtol=0)
-    lin = G.GGUFLinear([w], torch.float32)
+    lin = G.GGUFLinear([G.GGUFWeight(qtype, packed, (n, k))], torch.float32)
     torch.testing.assert_close(lin.dequantize(), want, atol=0, rtol=0)
 
 
@@ -110,9 +112,9 @@ def test_kernel_matches_its_emulation_and_the_dequantized_weight(qtype, dtype):
 def test_a_broken_weight_is_caught():
     """The comparison above can fail: one flipped nibble in one block changes that column's output."""
     w = random_weight("Q4_K", 16, 256, seed=3)
-    raw = w.raw.copy()
+    raw = w.raw().copy()
     raw[3, 100] ^= 0x0F
-    y = G.GGUFLinear([G.GGUFWeight("Q4_K", raw, w.shape)], torch.float32)(torch.ones(1, 256))
+    y = G.GGUFLinear([G.GGUFWeight.from_raw("Q4_K", raw, w.shape)], torch.float32)(torch.ones(1, 256))
     emu = G.emulate(torch.ones(1, 256), w)
     assert not torch.allclose(y[0, 3], emu[0, 3]) and torch.equal(y[0, :3], emu[0, :3])
 
@@ -216,7 +218,7 @@ def kquant_gguf(tmp_path_factory):
             return None
         seed = abs(hash(name)) % 2**31
         w = random_weight(qtype, t.shape[0], t.shape[1], seed, scale=float(t.std()), centered=True)
-        return w.raw, gguf.GGMLQuantizationType[qtype]
+        return w.raw(), gguf.GGMLQuantizationType[qtype]
 
     path = d / "tiny-kquant.gguf"
     write_llama_gguf(path, hf, quantize=quantize)
@@ -287,3 +289,32 @@ def test_decoder_layers_in_one_call_give_the_loops_bits(kquant_gguf):
     assert not model.fuse_body(False)
     loop = llm.engine.prompt_logits(ids)
     assert torch.equal(fused, loop)
+
+
+def mapped_kib(path) -> int:
+    """Resident KiB of this process's mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if line[0] in "0123456789abcdef" and "-" in line.split()[0]:
+                inside = line.rstrip().endswith(str(path))
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1])
+    return total
+
+
+def test_a_kept_tensor_owns_its_bytes_and_lets_the_file_go(kquant_gguf):
+    """kept() packs the tensor (rows permuted first where asked) and drops its pages from the file mapping: the
+    weight is the file's rows, and the process no longer holds them mapped (the mapping's resident size falls)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(kquant_gguf))
+    t = next(t for t in reader.tensors if t.name == "blk.1.ffn_up.weight")  # 512 x 256 Q4_K: 72 KiB
+    want = np.array(t.data).reshape(int(t.shape[1]), -1)  # reads its pages in
+    before = mapped_kib(kquant_gguf.resolve())
+    flip = lambda a: a[::-1]  # noqa: E731
+    w = G.kept(t, frozenset(G.GGML_TYPES), permute=flip)
+    assert w.qtype == "Q4_K" and w.shape == (512, 256)
+    np.testing.assert_array_equal(w.raw(), want[::-1])
+    assert before - mapped_kib(kquant_gguf.resolve()) >= 64, (before, mapped_kib(kquant_gguf.resolve()))
+    assert G.kept(t, frozenset({"Q6_K"})) is None

@@ -721,7 +721,7 @@ inline int64_t prefetch_override() {
   return d;
 }
 template <int T>
-inline void prefetch_chunk(const uint8_t* p, int64_t bytes) {
+__attribute__((always_inline)) inline void prefetch_chunk(const uint8_t* p, int64_t bytes) {
   const int64_t forced = prefetch_override();
   const int64_t ahead = forced >= 0 ? forced : (T == Q8_0 ? 8192 : 4096);
   if (ahead <= 0) return;
