@@ -171,6 +171,12 @@ class _T:
                              dtype=np.uint8)
 
 
+def test_without_kernels_every_file_is_dequantized(monkeypatch):
+    monkeypatch.setattr(G, "kernels_available", lambda: False)
+    q4k = [_T("blk.0.attn_q.weight", "Q4_K", (256, 32), 1000)]
+    assert G.keep_policy(q4k, None) == frozenset() and G.keep_policy(q4k, "gguf") == frozenset()
+
+
 def test_which_files_are_kept_by_default():
     """A file that is mostly a kernel type keeps its blocks; mostly Q4_1 (the built-in model) or floats is
     dequantized as before; `gguf` keeps any kernel type, `none`/`int8`/`int4` none."""
