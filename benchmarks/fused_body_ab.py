@@ -24,6 +24,7 @@ def main() -> None:
     from conveyor import SamplingParams
     from conveyor.config import EngineConfig
     from conveyor.engine.llm_engine import LLMEngine
+    from conveyor.request import make_request
 
     engine = LLMEngine(EngineConfig(model=args.model, dtype="bfloat16"))
     model = engine.model
@@ -34,8 +35,8 @@ def main() -> None:
     vocab = engine.model_config.vocab_size
 
     def add(prompt_len: int, max_tokens: int) -> None:
-        engine.add_request([rng.randrange(100, vocab) for _ in range(prompt_len)],
-                           SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        engine.add_request(make_request([rng.randrange(100, vocab) for _ in range(prompt_len)],
+                                        SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)))
 
     for _ in range(args.running):
         add(rng.randint(128, 384), 100_000)

@@ -16,6 +16,7 @@ import statistics
 import time
 
 from conveyor import LLM, SamplingParams
+from conveyor.request import make_request
 
 
 def run(llm: LLM, tiers: bool, args) -> dict[str, list[tuple[int, float]]]:
@@ -28,12 +29,12 @@ def run(llm: LLM, tiers: bool, args) -> dict[str, list[tuple[int, float]]]:
     inter = SamplingParams(max_tokens=args.interactive_output, temperature=0, ignore_eos=True)
     reqs: dict[str, list] = {"batch": [], "interactive": []}
     for _ in range(args.backlog):
-        reqs["batch"] += eng.add_request(prompt(args.batch_input), batch, priority=10 if tiers else 0)
+        reqs["batch"] += eng.add_request(make_request(prompt(args.batch_input), batch, priority=10 if tiers else 0))
     added_at: dict[str, tuple[int, float]] = {}
     step = 0
     while eng.has_unfinished_requests() or len(reqs["interactive"]) < args.interactive:
         if step % args.every == 0 and len(reqs["interactive"]) < args.interactive:
-            (r,) = eng.add_request(prompt(args.interactive_input), inter, priority=0)
+            (r,) = eng.add_request(make_request(prompt(args.interactive_input), inter, priority=0))
             reqs["interactive"].append(r)
             added_at[r.request_id] = (step, time.monotonic())
         eng.step()

@@ -33,6 +33,7 @@ def build(kernel: str, running: int, context: int, steps: int):
     from conveyor.config import EngineConfig
     from conveyor.engine.llm_engine import LLMEngine
     from conveyor.model import packed_linear
+    from conveyor.request import make_request
 
     packed_linear._LINEAR_KERNEL = kernel  # what linear_kernel() would have measured, forced for this engine
     engine = LLMEngine(EngineConfig(model="smollm2-135m", dtype="bfloat16", max_num_seqs=max(running, 1),
@@ -41,7 +42,7 @@ def build(kernel: str, running: int, context: int, steps: int):
     params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
     vocab = engine.model_config.vocab_size
     for _ in range(running):
-        engine.add_request([rng.randrange(100, vocab) for _ in range(context)], params)
+        engine.add_request(make_request([rng.randrange(100, vocab) for _ in range(context)], params))
     while (stats := engine.step().stats) is not None and stats.num_prefill_tokens:  # until the prompts are in
         pass
     engine.step()

@@ -39,6 +39,7 @@ from conveyor.bench.compare import cpu_name  # noqa: E402
 from conveyor.bench.workloads import CHAT, WorkloadSpec, arrival_offsets, generate  # noqa: E402
 from conveyor.config import EngineConfig  # noqa: E402
 from conveyor.engine.llm_engine import LLMEngine  # noqa: E402
+from conveyor.request import make_request  # noqa: E402
 from conveyor.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -48,11 +49,10 @@ def pct(xs: list[float], q: float) -> float | None:
 
 
 def submit(engine: LLMEngine, rid: str, req, arrival: float) -> None:
-    ms = lambda v: v / 1000.0 if v is not None else None  # noqa: E731
-    engine.add_request(list(req.prompt_token_ids), SamplingParams(max_tokens=req.max_tokens, temperature=0.0,
-                                                                  ignore_eos=True),
-                       request_id=rid, arrival_time=arrival, tenant=req.tenant, slo_ttft_s=ms(req.slo_ttft_ms),
-                       slo_tpot_s=ms(req.slo_tpot_ms))
+    params = SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
+    engine.add_request(make_request(list(req.prompt_token_ids), params, defaults=engine.info.request_defaults,
+                                    request_id=rid, arrival_time=arrival, tenant=req.tenant,
+                                    slo_ttft_ms=req.slo_ttft_ms, slo_tpot_ms=req.slo_tpot_ms))
 
 
 def capacity(engine: LLMEngine, spec: WorkloadSpec, vocab: int, seconds: float, warmup: float) -> dict:

@@ -33,6 +33,7 @@ def main() -> None:
     from conveyor import SamplingParams
     from conveyor.config import EngineConfig
     from conveyor.engine.llm_engine import LLMEngine
+    from conveyor.request import make_request
 
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=max(args.running, 1),
                                     kv_cache_memory=2.0, attention_backend=args.attention))
@@ -40,7 +41,7 @@ def main() -> None:
     rng = random.Random(0)
     params = SamplingParams(max_tokens=args.steps + 8, temperature=0, ignore_eos=True)
     for _ in range(args.running):
-        engine.add_request([rng.randrange(100, vocab) for _ in range(args.context)], params)
+        engine.add_request(make_request([rng.randrange(100, vocab) for _ in range(args.context)], params))
     t0 = time.perf_counter()
     while (stats := engine.step().stats) is not None and stats.num_prefill_tokens:  # until the prompts are in
         pass

@@ -31,19 +31,31 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
+import psutil
+
+from conveyor.bench.stats import FlopModel, attention_ctx_sum
 
 REPO = Path(__file__).resolve().parent.parent
-SHIM = REPO.parent / "shared" / "peers" / "vllm-bench-serve.py"
+# vLLM's client shim, in the team's shared/ folder beside the checkout (or beside a folder of work trees)
+SHIM = next((p / "shared" / "peers" / "vllm-bench-serve.py" for p in REPO.parents
+             if (p / "shared" / "peers" / "vllm-bench-serve.py").exists()),
+            REPO.parent / "shared" / "peers" / "vllm-bench-serve.py")
 MODES = {"greedy": ["--temperature", "0"], "top_p": ["--temperature", "0.2", "--top-p", "0.9"], "defaults": []}
 LOADS = {  # vLLM client flags, and the same load for conveyor's client
     "64 clients": (["--random-input-len", "256", "--random-output-len", "128", "--random-range-ratio", "0.5",
                     "--num-prompts", "256", "--max-concurrency", "64"],
                    ["--concurrency", "64", "--num-prompts", "256", "--input-len", "256", "--output-len", "128",
                     "--range-ratio", "0.5"]),
+    # issue 47's long-prompt load: 16 users, prompts of 1,920-3,200 tokens, 128 out
+    "long prompts": (["--random-input-len", "2560", "--random-output-len", "128", "--random-range-ratio", "0.25",
+                      "--num-prompts", "48", "--max-concurrency", "16"],
+                     ["--concurrency", "16", "--num-prompts", "48", "--input-len", "2560", "--output-len", "128",
+                      "--range-ratio", "0.25"]),
     "single stream": (["--random-input-len", "256", "--random-output-len", "128", "--random-range-ratio", "0",
                        "--num-prompts", "6", "--max-concurrency", "1"],
                       ["--concurrency", "1", "--num-prompts", "6", "--input-len", "256", "--output-len", "128",
@@ -114,37 +126,132 @@ def make_qwen_shape(peers: Path) -> Path:
     return out
 
 
+MODEL_DIRS: dict[str, Path] = {}  # `--models NAME=DIR`: HF directories served by both (the real-size shapes)
+
+
+def parse_models(spec: str) -> list[str]:
+    """`smollm2,qwen-shape,llama-1b=/work/models/llama-3.2-1b` -> the names, remembering each NAME=DIR."""
+    names = []
+    for item in filter(None, spec.split(",")):
+        name, _, path = item.partition("=")
+        if path:
+            MODEL_DIRS[name] = Path(path).expanduser().resolve()
+        elif name not in ("smollm2", "qwen-shape"):
+            raise SystemExit(f"--models: {name!r} is neither smollm2, qwen-shape nor NAME=HF_DIR")
+        names.append(name)
+    return names
+
+
 def model_dir(name: str, peers: Path) -> Path:
+    if name in MODEL_DIRS:
+        return MODEL_DIRS[name]
     return peers / "smollm2-hf" if name == "smollm2" else make_qwen_shape(peers)
 
 
+class Neighbours:
+    """`n` CPU-bound processes (`python -c "while True: pass"`, issue 48's neighbour) while a client runs."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.procs = n, []
+
+    def __enter__(self) -> Neighbours:
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(self.n)]
+        if self.n:
+            time.sleep(2)  # let the servers see them (conveyor re-checks its cores every 0.5 s)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for p in self.procs:
+            p.kill()
+            p.wait()
+
+
+class TreeMemory(threading.Thread):
+    """Samples the resident memory of a server's whole process tree (RSS summed, and PSS where the kernel gives
+    it, which counts pages shared between the tree's processes once) every `every` seconds: its peak while
+    loading (until `ready()`) and while serving, and the time to ready."""
+
+    def __init__(self, pid: int, every: float = 0.25) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.every, self.t0 = pid, every, time.monotonic()
+        self.ready_s: float | None = None
+        self.peak = {"loading": [0, 0], "serving": [0, 0]}  # phase -> [rss, pss] bytes
+        self._stop = threading.Event()
+        self.start()
+
+    def ready(self) -> None:
+        self.ready_s = time.monotonic() - self.t0
+
+    def run(self) -> None:
+        while not self._stop.wait(self.every):
+            try:
+                root = psutil.Process(self.pid)
+                procs = [root, *root.children(recursive=True)]
+            except psutil.Error:
+                continue
+            rss = pss = 0
+            for p in procs:
+                try:
+                    full = p.memory_full_info()
+                    rss += full.rss
+                    pss += getattr(full, "pss", full.rss)
+                except psutil.Error:
+                    pass
+            peak = self.peak["loading" if self.ready_s is None else "serving"]
+            peak[0], peak[1] = max(peak[0], rss), max(peak[1], pss)
+
+    def result(self) -> dict:
+        self._stop.set()
+        gib = 2**30
+        return {"ready_s": self.ready_s, **{f"peak_{kind}_{phase}_gib": round(v[i] / gib, 2)
+                                            for phase, v in self.peak.items() for i, kind in enumerate(("rss", "pss"))}}
+
+
+# conveyor's flags for a GGUF file by its format: Q4_0/Q4_1 blocks are kept as they are under --quantization int4
+GGUF_CONVEYOR_FLAGS = {"Q4_0": ["--quantization", "int4"], "Q4_1": ["--quantization", "int4"]}
+
+
 class Servers:
-    """Starts one server at a time on a fresh port (llama-server does not reuse a port in TIME_WAIT)."""
+    """Starts one server at a time on a fresh port (llama-server does not reuse a port in TIME_WAIT), each with
+    a `TreeMemory` watching its process tree (`memory[proc.pid]`)."""
 
     def __init__(self, args, log, work: Path) -> None:
         self.args, self.log, self.port, self.work = args, log, 8200, work
+        self.memory: dict[int, TreeMemory] = {}
 
-    def start(self, server: str, model: str, variant: str) -> tuple[subprocess.Popen, str]:
+    def start(self, server: str, model: str, variant: str, gguf: Path | None = None) -> tuple[subprocess.Popen, str]:
+        """`gguf`: serve that file (conveyor with its format's flags, or llama.cpp) instead of `model`'s weights."""
         peers = Path(self.args.peers)
         self.port += 1
         port, env = self.port, dict(os.environ)
         if server == "conveyor":
-            target = "smollm2-135m" if model == "smollm2" else str(model_dir(model, peers))
+            target = str(gguf) if gguf else "smollm2-135m" if model == "smollm2" else str(model_dir(model, peers))
+            flags = GGUF_CONVEYOR_FLAGS.get(variant, []) if gguf else (
+                ["--quantization", variant] if variant not in ("bf16",) else [])
             cmd = [sys.executable, "-m", "conveyor", "serve", "--model", target, "--served-model-name", model,
-                   "--port", str(port), "--host", "127.0.0.1", "--dtype", "bfloat16",
-                   *(["--quantization", "int4"] if variant == "int4" else []), *self.args.conveyor_args.split()]
+                   "--port", str(port), "--host", "127.0.0.1", *([] if gguf else ["--dtype", "bfloat16"]), *flags,
+                   *self.args.conveyor_args.split()]
         elif server == "vllm":
             cmd = [str(peers / "vllmvenv/bin/python"), "-m", "vllm.entrypoints.openai.api_server", "--model",
                    str(model_dir(model, peers)), "--served-model-name", model, "--host", "127.0.0.1", "--port",
                    str(port), "--dtype", self.args.vllm_dtype, "--max-num-seqs", "256", "--max-model-len", "4096"]
-            env.update(VLLM_CPU_KVCACHE_SPACE="6", **VLLM_ENV)
+            env.update(VLLM_CPU_KVCACHE_SPACE=str(self.args.vllm_kv_gib), **VLLM_ENV)
         else:  # llama.cpp's server, one slot
-            gguf = peers / ("smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" if variant == "q4_1" else "smollm2-f16.gguf")
+            if gguf is None:
+                gguf = peers / ("smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" if variant == "q4_1" else "smollm2-f16.gguf")
             cmd = [str(peers / "llama.cpp/build/bin/llama-server"), "-m", str(gguf), "--alias", model, "--host",
                    "127.0.0.1", "--port", str(port), "-np", "1", "-c", "4096", "-t", str(os.cpu_count())]
         print(f"{server} ({variant}): {' '.join(cmd)}", flush=True)
         proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.memory[proc.pid] = TreeMemory(proc.pid)
         return proc, f"http://127.0.0.1:{port}"
+
+    def ready(self, proc: subprocess.Popen, url: str, timeout: float = 1800) -> None:
+        wait_ready(url, proc, timeout)
+        self.memory[proc.pid].ready()
+
+    def memory_of(self, proc: subprocess.Popen) -> dict:
+        return self.memory.pop(proc.pid).result()
 
 
 def concurrency(load: str) -> str:
@@ -168,14 +275,18 @@ def vllm_client(url: str, model: str, load: str, mode: str, out: Path, args, log
            # below its later ones in two runs without it (in the one run with it, the VM's noise was larger)
            *([] if args.no_warmup else ["--num-warmups", concurrency(load)]),
            "--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-           "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
+           "--save-result", "--save-detailed", "--result-dir", str(out.parent), "--result-filename", out.name]
     print(f"    vllm client, {load}, {mode}", flush=True)
     subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **VLLM_ENV})
     r = json.loads(out.read_text())
     return {"client": "vllm bench serve", "completed": r["completed"], "output_throughput": r["output_throughput"],
             "ttft_p50_ms": r["median_ttft_ms"], "ttft_p99_ms": r.get("p99_ttft_ms"),
             "tpot_p50_ms": r["median_tpot_ms"], "itl_p50_ms": r.get("median_itl_ms"),
-            "total_input_tokens": r.get("total_input_tokens"), "total_output_tokens": r.get("total_output_tokens")}
+            "total_input_tokens": r.get("total_input_tokens"), "total_output_tokens": r.get("total_output_tokens"),
+            "duration_s": r.get("duration"),
+            # keys every fed token attended to, summed (the attention FLOPs' factor), from the per-request lengths
+            "attention_ctx_sum": sum(attention_ctx_sum(0, i + o - 1) for i, o in
+                                     zip(r.get("input_lens") or [], r.get("output_lens") or []))}
 
 
 def our_client(url: str, model: str, load: str, out: Path, log) -> dict:
@@ -191,13 +302,26 @@ def our_client(url: str, model: str, load: str, out: Path, log) -> dict:
             "output_tokens": r["output_tokens"]}
 
 
-def load_flops(result: dict, cfg) -> tuple[float, float, float]:
-    """(prefill linear FLOPs, decode linear FLOPs, LM-head FLOPs) of one completed load."""
-    from conveyor.bench.stats import FlopModel
+def ceiling_share(result: dict, cfg, rates: dict[int, float]) -> float | None:
+    """The share of a load's duration that its matmul work would take at the machine's bf16 GEMM rate: prompt
+    tokens' linear layers and every token's attention at the 256-row rate, decode steps' linears and the LM head
+    at the 64-row rate (`FlopModel`, counted the way the runner executes). 1.0 is the compute ceiling."""
+    if not result.get("duration_s") or not result.get("total_input_tokens"):
+        return None
     fm = FlopModel.from_config(cfg)
-    prompt, out = result["input_tokens"], result["output_tokens"]
-    n = result["completed"]
-    return 2.0 * fm.linear_params * prompt, 2.0 * fm.linear_params * (out - n), 2.0 * fm.lm_head_params * out
+    prompt, out, n = result["total_input_tokens"], result["total_output_tokens"], result["completed"]
+    prefill = 2.0 * fm.linear_params * prompt + 4.0 * fm.num_layers * fm.q_width * result.get("attention_ctx_sum", 0)
+    decode = 2.0 * fm.linear_params * (out - n) + 2.0 * fm.lm_head_params * out
+    return (prefill / rates[256] + decode / rates[64]) / result["duration_s"]
+
+
+def model_config(name: str, peers: Path):
+    from conveyor.model.llama import ModelConfig
+    from conveyor.model.loader import load_checkpoint
+
+    if name == "smollm2":
+        return load_checkpoint("smollm2-135m").config
+    return ModelConfig.from_hf(json.loads((model_dir(name, peers) / "config.json").read_text()))
 
 
 def gemm_rates(cfg) -> dict[int, float]:
@@ -245,9 +369,11 @@ def plan(args) -> list[tuple[str, str, str, list[str], list[str]]]:
     runs = []
     modes = args.modes.split(",")
     loads = args.loads.split(",")
-    for model in filter(None, args.models.split(",")):  # --models "": only the --llamacpp rounds
-        for server in ["conveyor"] + ([] if args.skip_vllm else ["vllm"]):
-            runs.append((model, server, "bf16", loads, modes))
+    for model in parse_models(args.models):  # --models "": only the --llamacpp / --gguf rounds
+        for variant in args.conveyor_variants.split(","):
+            runs.append((model, "conveyor", variant, loads, modes))
+        if not args.skip_vllm:
+            runs.append((model, "vllm", "bf16", loads, modes))
     if args.llamacpp and args.rounds <= 1:
         runs += [("smollm2", "conveyor", "int4", ["single stream"], ["greedy"]),
                  ("smollm2", "llamacpp", "f16", ["single stream"], ["greedy"]),
@@ -271,7 +397,7 @@ def one_stream_rounds(args, servers: Servers, log, results: dict) -> None:
         for server, variant in dict.fromkeys((s, v) for s, v, _ in ONE_STREAM):
             proc, url = servers.start(server, "smollm2", variant)
             procs[server, variant] = (proc, url)
-            wait_ready(url, proc, 900)
+            servers.ready(proc, url)
         rows = []
         for r in range(args.rounds):
             k = r % len(ONE_STREAM)
@@ -285,6 +411,99 @@ def one_stream_rounds(args, servers: Servers, log, results: dict) -> None:
     finally:
         for proc, _ in procs.values():
             stop(proc)
+
+
+def decode_bytes(path: Path) -> int:
+    """Bytes of weights one decode step reads: every tensor but the token embedding (only a row of it is read),
+    which counts where it is also the LM head (tied). `path`: a GGUF file or an HF safetensors directory."""
+    if path.suffix == ".gguf":
+        import gguf
+
+        sizes = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors}
+        emb, head = "token_embd.weight", "output.weight"
+    else:
+        sizes = {}
+        for f in sorted(path.glob("*.safetensors")):
+            with open(f, "rb") as fh:
+                header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+            sizes.update({k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items()
+                          if k != "__metadata__"})
+        emb, head = "model.embed_tokens.weight", "lm_head.weight"
+    total = sum(sizes.values())
+    return total - sizes.get(emb, 0) if head in sizes else total
+
+
+def parse_gguf(spec: str) -> list[tuple[str, Path]]:
+    """`Q4_K_M=/work/models/llama-3.2-1b-Q4_K_M.gguf,...` -> [(format, file)]."""
+    out = []
+    for item in filter(None, spec.split(",")):
+        fmt, _, path = item.partition("=")
+        if not path:
+            raise SystemExit(f"--gguf: {item!r} is not FORMAT=FILE")
+        out.append((fmt, Path(path).expanduser().resolve()))
+    return out
+
+
+def gguf_rounds(args, servers: Servers, log, results: dict) -> None:
+    """`--gguf FORMAT=FILE,...`: one stream on conveyor and on llama.cpp's server, both serving the same file, in
+    `--rounds` rounds (order alternating, new prompts each round, the same for both within a round). Both
+    servers are up at once, so a round compares them minutes apart at most, unless `--one-at-a-time` (a file
+    too large to be loaded twice: all of conveyor's rounds, then llama.cpp's). Each row has the TPOT, the rate
+    at which the step reads the weights (`decode_bytes` / TPOT) and its share of the measured memory bandwidth,
+    and each server's time to ready and peak memory."""
+    bandwidth = results.get("read_bandwidth_bytes_per_s")
+    rows = results.setdefault("gguf_rounds", [])
+    starts = results.setdefault("gguf_starts", {})
+    for fmt, path in parse_gguf(args.gguf):
+        name, nbytes = path.stem, decode_bytes(path)
+        pair = ["conveyor", "llamacpp"]
+        phases = [pair] if not args.one_at_a_time else [[s] for s in pair]
+        for servers_up in phases:
+            procs = {}
+            try:
+                for server in servers_up:
+                    procs[server] = servers.start(server, name, fmt, gguf=path)
+                    servers.ready(*procs[server])
+                for r in range(args.rounds):
+                    order = servers_up if r % 2 == 0 else servers_up[::-1]
+                    for server in order:
+                        out = servers.work / f"gguf_{name}_{server}_{r + 1}.json"
+                        res = vllm_client(procs[server][1], name, "single stream", "greedy", out, args, log,
+                                          seed=200 + r)
+                        gbps = nbytes / (res["tpot_p50_ms"] / 1e3)
+                        rows.append({"format": fmt, "file": str(path), "server": server, "round": r + 1,
+                                     "decode_bytes": nbytes, "weight_read_GBps": round(gbps / 1e9, 2),
+                                     "bandwidth_share": round(gbps / bandwidth, 3) if bandwidth else None, **res})
+                        args.out.write_text(json.dumps(results, indent=1))
+            finally:
+                for server, (proc, _) in procs.items():
+                    stop(proc)
+                    starts[f"{fmt}|{server}"] = servers.memory_of(proc)
+                args.out.write_text(json.dumps(results, indent=1))
+
+
+def report_gguf(results: dict) -> None:
+    rows, starts = results.get("gguf_rounds", []), results.get("gguf_starts", {})
+    print("\none stream on the same GGUF file (vLLM's client, greedy, 256-token prompts): TPOT p50 ms, median of "
+          "the rounds; weight read rate and share of the measured bandwidth; time to ready; peak RSS of the tree")
+    print("\n| format | server | TPOT p50 ms | rounds | GB/s read | of bandwidth | ready s "
+          "| peak RSS GiB (load / serve) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for fmt in dict.fromkeys(r["format"] for r in rows):
+        med = {}
+        for server in ("conveyor", "llamacpp"):
+            got = [r for r in rows if r["format"] == fmt and r["server"] == server]
+            if not got:
+                continue
+            med[server] = statistics.median(r["tpot_p50_ms"] for r in got)
+            share = statistics.median(r["bandwidth_share"] or 0 for r in got)
+            m = starts.get(f"{fmt}|{server}", {})
+            print(f"| {fmt} | {server} | **{med[server]:.1f}** | " + ", ".join(f"{r['tpot_p50_ms']:.1f}" for r in got)
+                  + f" | {statistics.median(r['weight_read_GBps'] for r in got):.1f} | {share:.0%} | "
+                  f"{m.get('ready_s') or 0:.0f} | {m.get('peak_rss_loading_gib', 0)} / "
+                  f"{m.get('peak_rss_serving_gib', 0)} |")
+        if len(med) == 2:
+            print(f"| {fmt} | conveyor / llama.cpp | {med['conveyor'] / med['llamacpp']:.2f}x | | | | | |")
 
 
 def report_rounds(rows: list[dict]) -> None:
@@ -312,30 +531,54 @@ def report_rounds(rows: list[dict]) -> None:
 
 def report(results: dict) -> None:
     print(f"\nCPU: {results['cpu']} ({results['nproc']} cores; {' '.join(results['cpu_flags'])})")
-    if "gemm_bf16_flops_per_s" in results:
-        g = results["gemm_bf16_flops_per_s"]
-        print(f"bf16 GEMM at SmolLM2's shapes: {g['64'] / 1e9:.0f} GFLOP/s (64 rows), {g['256'] / 1e9:.0f} (256 rows); "
-              f"memory read {results['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s")
-    print("\n| model | load | sampling | client | server | output tok/s | TTFT p50 ms | TPOT p50 ms | vs vLLM |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for key, r in results["runs"].items():
+    for model, g in results.get("gemm_bf16_flops_per_s", {}).items():
+        if isinstance(g, dict):  # older files: one dict of SmolLM2's rates
+            print(f"bf16 GEMM at {model}'s shapes: {g['64'] / 1e9:.0f} GFLOP/s (64 rows), "
+                  f"{g['256'] / 1e9:.0f} (256 rows)")
+    if "read_bandwidth_bytes_per_s" in results:
+        print(f"memory read {results['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s")
+    print("\n| model | load | sampling | client | server | output tok/s | TTFT p50 ms | TPOT p50 ms | vs vLLM "
+          "| vs quiet | of GEMM ceiling |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    runs = results["runs"]
+    for key, r in runs.items():
         model, server, variant, load, mode, client = key.split("|")
-        base = results["runs"].get("|".join([model, "vllm", "bf16", load, mode, client]))
+        base = runs.get("|".join([model, "vllm", "bf16", load, mode, client]))
         ratio = f"{r['output_throughput'] / base['output_throughput']:.2f}x" if base and server != "vllm" else "-"
+        quiet = runs.get("|".join([model, server, variant, load.split(" +")[0], mode, client]))
+        vs_quiet = (f"{r['output_throughput'] / quiet['output_throughput']:.2f}x tok/s, "
+                    f"{r['tpot_p50_ms'] / quiet['tpot_p50_ms']:.2f}x TPOT" if " +" in load and quiet else "-")
         label = server if variant == "bf16" else f"{server} {variant}"
         if server == "vllm" and results.get("vllm_dtype", "bfloat16") != "bfloat16":
             label += f" (--dtype {results['vllm_dtype']})"
+        share = f"{r['gemm_ceiling_share']:.0%}" if r.get("gemm_ceiling_share") else "-"
         print(f"| {model} | {load} | {mode} | {client} | {label} | {r['output_throughput']:.1f} | "
-              f"{r['ttft_p50_ms']:.0f} | {r['tpot_p50_ms']:.1f} | {ratio} |")
+              f"{r['ttft_p50_ms']:.0f} | {r['tpot_p50_ms']:.1f} | {ratio} | {vs_quiet} | {share} |")
+    if results.get("starts"):
+        print("\n| start | ready s | peak RSS GiB loading | peak RSS GiB serving | peak PSS GiB serving |")
+        print("|---|---|---|---|---|")
+        for k, m in results["starts"].items():
+            print(f"| {k} | {m.get('ready_s') or 0:.0f} | {m.get('peak_rss_loading_gib')} | "
+                  f"{m.get('peak_rss_serving_gib')} | {m.get('peak_pss_serving_gib')} |")
     if results.get("one_stream_rounds"):
         report_rounds(results["one_stream_rounds"])
+    if results.get("gguf_rounds"):
+        report_gguf(results)
+
+
+def report_ceilings(results: dict) -> None:
+    for key, r in results["runs"].items():
+        if r.get("gemm_ceiling_share") and "greedy" in key:
+            print(f"{key}: {r['gemm_ceiling_share']:.0%} of the bf16 GEMM ceiling (matmul FLOPs at the GEMM rate "
+                  f"/ the load's duration)")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--peers", default=os.environ.get("PEERS_DIR", "/tmp/peers"))
     ap.add_argument("--out", type=Path, default=REPO / "docs/performance/vs_vllm.json")
-    ap.add_argument("--models", default="smollm2,qwen-shape", help="smollm2 and/or qwen-shape")
+    ap.add_argument("--models", default="smollm2,qwen-shape", help="smollm2, qwen-shape and/or NAME=HF_DIR (the "
+                    "real-size shapes of benchmarks/model_shapes.py), served by conveyor and vLLM alike")
     ap.add_argument("--modes", default="greedy,top_p,defaults", help="sampling modes: " + ", ".join(MODES))
     ap.add_argument("--loads", default="64 clients,single stream")
     ap.add_argument("--skip-vllm", action="store_true")
@@ -345,6 +588,15 @@ def main() -> int:
     ap.add_argument("--llamacpp", action="store_true", help="one stream of llama.cpp (F16, Q4_1) vs conveyor")
     ap.add_argument("--rounds", type=int, default=1, help="with --llamacpp: its one-stream comparison in this many "
                     "interleaved rounds, every server up at once (see one_stream_rounds)")
+    ap.add_argument("--gguf", default="", help="FORMAT=FILE,...: one stream on conveyor and llama.cpp serving that "
+                    "same GGUF file, in --rounds interleaved rounds (see gguf_rounds)")
+    ap.add_argument("--one-at-a-time", action="store_true", help="with --gguf: never two servers up at once (a file "
+                    "too large to be loaded twice in RAM)")
+    ap.add_argument("--neighbours", default="0", help="comma-separated counts of CPU-bound neighbour processes "
+                    "(`python -c 'while True: pass'`) to run each load beside, e.g. 0,1: quiet, then beside one")
+    ap.add_argument("--conveyor-variants", default="bf16", help="conveyor's weights in each run: bf16 and/or a "
+                    "--quantization value (e.g. bf16,int4)")
+    ap.add_argument("--vllm-kv-gib", type=float, default=6, help="VLLM_CPU_KVCACHE_SPACE for vLLM-cpu")
     ap.add_argument("--our-client", action="store_true", help="also drive every server with conveyor bench run")
     ap.add_argument("--conveyor-args", default="", help="extra `conveyor serve` flags")
     ap.add_argument("--skip-limits", action="store_true", help="do not measure the GEMM rate and bandwidth")
@@ -352,11 +604,12 @@ def main() -> int:
                     "(by default vLLM's client's --num-warmups, as many as the load's concurrency, every server alike)")
     ap.add_argument("--report-only", action="store_true", help="print the tables of --out again")
     args = ap.parse_args()
+    args.rounds = max(args.rounds, 1)
+    parse_models(args.models)
     if args.report_only:
         report(json.loads(args.out.read_text()))
         return 0
     from conveyor.kernels.variants import cpu_name
-    from conveyor.model.loader import load_checkpoint
     args.out.parent.mkdir(parents=True, exist_ok=True)
     work = args.out.parent / "runs"
     work.mkdir(exist_ok=True)
@@ -364,41 +617,51 @@ def main() -> int:
     results: dict = {"cpu": cpu_name(), "cpu_flags": cpu_flags_of_interest(), "nproc": os.cpu_count(),
                      "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                      "command": " ".join(sys.argv), "vllm_dtype": args.vllm_dtype, "runs": {}}
-    cfg = load_checkpoint("smollm2-135m").config
+    names = parse_models(args.models)
+    configs = {name: model_config(name, Path(args.peers)) for name in names}
     if not args.skip_limits:  # first, on a quiet machine: a vLLM engine-core child still exiting skews them
-        rates = gemm_rates(cfg)
-        results["gemm_bf16_flops_per_s"] = {str(k): v for k, v in rates.items()}
+        rates = {name: gemm_rates(cfg) for name, cfg in configs.items()} or {
+            "smollm2": gemm_rates(model_config("smollm2", Path(args.peers)))}
+        results["gemm_bf16_flops_per_s"] = {name: {str(k): v for k, v in r.items()} for name, r in rates.items()}
         results["read_bandwidth_bytes_per_s"] = read_bandwidth()
     servers = Servers(args, log, work)
+    neighbours = [int(n) for n in args.neighbours.split(",")]
     for model, server, variant, loads, modes in plan(args):
         proc, url = servers.start(server, model, variant)
         try:
-            wait_ready(url, proc, 900)
+            servers.ready(proc, url)
             for load in loads:
-                for mode in modes:
-                    stem = f"{model}_{server}_{variant}_{load.replace(' ', '-')}_{mode}"
-                    key = "|".join([model, server, variant, load, mode])
-                    results["runs"][key + "|vllm"] = vllm_client(url, model, load, mode, work / f"{stem}.json",
-                                                                args, log)
-                    if args.our_client and server != "llamacpp" and mode == "greedy":
-                        results["runs"][key + "|conveyor"] = our_client(url, model, load, work / f"{stem}_ours.json",
-                                                                        log)
-                    args.out.write_text(json.dumps(results, indent=1))
+                for nb in neighbours:  # quiet, then beside `nb` busy processes, for each load on this server
+                    label = load + (f" +{nb} busy" if nb else "")
+                    with Neighbours(nb):
+                        for mode in modes:
+                            stem = f"{model}_{server}_{variant}_{label.replace(' ', '-')}_{mode}"
+                            key = "|".join([model, server, variant, label, mode])
+                            results["runs"][key + "|vllm"] = vllm_client(url, model, load, mode,
+                                                                        work / f"{stem}.json", args, log)
+                            if args.our_client and server != "llamacpp" and mode == "greedy":
+                                results["runs"][key + "|conveyor"] = our_client(url, model, load,
+                                                                                work / f"{stem}_ours.json", log)
+                            args.out.write_text(json.dumps(results, indent=1))
         finally:
             stop(proc)
+            results.setdefault("starts", {})["|".join([model, server, variant])] = servers.memory_of(proc)
+    if args.gguf:
+        gguf_rounds(args, servers, log, results)
     if args.llamacpp and args.rounds > 1:
         one_stream_rounds(args, servers, log, results)
     report(results)
-    conv = results["runs"].get("smollm2|conveyor|bf16|64 clients|greedy|vllm")
-    if conv and "gemm_bf16_flops_per_s" in results:
-        rates = {int(k): v for k, v in results["gemm_bf16_flops_per_s"].items()}
-        r = {"input_tokens": conv["total_input_tokens"], "output_tokens": conv["total_output_tokens"],
-             "completed": conv["completed"]}
-        pf, df, hf = load_flops(r, cfg)
-        ceiling = r["output_tokens"] / (pf / rates[256] + (df + hf) / rates[64])
-        results["compute_ceiling_tok_s"] = ceiling
-        print(f"\nsmollm2, 64 clients, greedy: compute ceiling {ceiling:.0f} output tok/s (matmul FLOPs / GEMM rate); "
-              f"conveyor reaches {conv['output_throughput'] / ceiling:.0%} of it")
+    bandwidth = results.get("read_bandwidth_bytes_per_s")
+    for key, r in results["runs"].items():
+        model, load = key.split("|")[0], key.split("|")[3]
+        if load.startswith("single stream") and model in configs and r.get("tpot_p50_ms"):
+            rate = decode_bytes(model_dir(model, Path(args.peers))) / (r["tpot_p50_ms"] / 1e3)
+            r["weight_read_GBps"] = round(rate / 1e9, 2)  # bf16 weights read per decode step / TPOT
+            r["bandwidth_share"] = round(rate / bandwidth, 3) if bandwidth else None
+        if model in configs and "gemm_bf16_flops_per_s" in results and model in results["gemm_bf16_flops_per_s"]:
+            rates = {int(k): v for k, v in results["gemm_bf16_flops_per_s"][model].items()}
+            r["gemm_ceiling_share"] = ceiling_share(r, configs[model], rates)
+    report_ceilings(results)
     args.out.write_text(json.dumps(results, indent=1))
     print(f"\nwritten to {args.out}")
     return 0

@@ -16,6 +16,7 @@ from conveyor.engine.output_processor import RequestOutputBuilder, request_metri
 from conveyor.lora.request import LoRARequest
 from conveyor.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from conveyor.pooling import PoolingParams, default_pooling
+from conveyor.request import make_request
 from conveyor.sampling_params import SamplingParams
 from conveyor.startup import loading_progress
 
@@ -37,7 +38,7 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` uses when given no SamplingParams: the model's recommended sampling
         (`generation_config`), as vLLM's `LLM.get_default_sampling_params`."""
-        return SamplingParams(**self.engine.info.default_sampling)
+        return self.engine.info.request_defaults.sampling_params()
 
     def _to_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -87,13 +88,15 @@ class LLM:
         encoded = [self._to_ids(p) for p in prompts]  # validate everything before queueing anything
         for (_, ids), sp in zip(encoded, param_list):
             self.engine.validate_prompt(ids, sp)
+        defaults = self.engine.info.request_defaults
+        records = [make_request(ids, sp, defaults=defaults, priority=priority[i] if priority else 0, tenant=tenants[i],
+                                lora_request=loras[i]) for i, ((_, ids), sp) in enumerate(zip(encoded, param_list))]
         for lora in {lr for lr in loras if lr is not None}:  # a bad adapter fails the call before anything is queued
             self.engine.load_lora(lora)
         builders: dict[str, RequestOutputBuilder] = {}
         requests = {}
-        for i, ((text, ids), sp) in enumerate(zip(encoded, param_list)):
-            reqs = self.engine.add_request(ids, sp, priority=priority[i] if priority else 0, tenant=tenants[i],
-                                           lora_request=loras[i])
+        for (text, ids), sp, record in zip(encoded, param_list, records):
+            reqs = self.engine.add_request(record)
             gid = reqs[0].group_id
             builders[gid] = RequestOutputBuilder(gid, sp.n, text, ids, logprobs=sp.logprobs is not None)
             requests[gid] = reqs
@@ -118,8 +121,9 @@ class LLM:
         encoded = [self._to_ids(p) for p in prompts]
         for _, ids in encoded:
             self.engine.validate_prompt(ids)
-        order = [self.engine.add_request(ids, SamplingParams(max_tokens=1), pooling=pooling)[0].request_id
-                 for _, ids in encoded]
+        defaults = self.engine.info.request_defaults
+        order = [self.engine.add_request(make_request(ids, SamplingParams(max_tokens=1), defaults=defaults,
+                                                      pooling=pooling))[0].request_id for _, ids in encoded]
         got: dict[str, list[float]] = {}
         self.engine.end_input()
         while self.engine.has_unfinished_requests():

@@ -231,9 +231,9 @@ def test_generate_takes_tenant_and_priority(llm):
     seen = []
     real = llm.engine.add_request
 
-    def recording(ids, sp, **kw):
-        seen.append((kw.get("tenant"), kw.get("priority")))
-        return real(ids, sp, **kw)
+    def recording(request):
+        seen.append((request.tenant, request.priority))
+        return real(request)
 
     llm.engine.add_request = recording
     try:

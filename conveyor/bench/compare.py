@@ -27,6 +27,7 @@ from conveyor.bench.workloads import WorkloadSpec, generate
 from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.kernels.variants import cpu_name
+from conveyor.request import make_request
 from conveyor.sampling_params import SamplingParams
 from conveyor.scheduler.policies import POLICIES, default_strategies, no_batching_base, policy_options
 
@@ -78,7 +79,8 @@ def warm_up(engine: LLMEngine, base: EngineConfig, vocab_size: int) -> None:
     engine.reset(strategy_config(base, no_batching_base()))
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     for i in range(4):
-        engine.add_request([100 + (7 * i + j) % max(vocab_size - 100, 1) for j in range(32)], params)
+        engine.add_request(make_request([100 + (7 * i + j) % max(vocab_size - 100, 1) for j in range(32)], params,
+                                        defaults=engine.info.request_defaults))
     deadline = time.monotonic() + 300
     while engine.has_unfinished_requests() and time.monotonic() < deadline:
         engine.step()

@@ -23,9 +23,11 @@ from conveyor.bench.result import EngineRunStats
 from conveyor.bench.stats import contiguous_waste, paged_waste
 from conveyor.bench.workloads import BenchRequest
 from conveyor.config import EngineConfig
-from conveyor.engine.engine_loop import AbortRequest, AddRequest, EndInput, LoopOutput, Stop, ThreadEngineClient
+from conveyor.engine.clients import ThreadEngineClient
 from conveyor.engine.llm_engine import STEP_PHASES, LLMEngine, StepStats
+from conveyor.engine.messages import AbortRequest, EndInput, LoopOutput, Stop
 from conveyor.lora.request import LoRARequest
+from conveyor.request import make_request
 from conveyor.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -62,10 +64,10 @@ class EngineBackend:
         fut = self._loop.create_future()
         self._live[rid] = (rec, fut)
         params = SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
-        ms = lambda v: v / 1000.0 if v is not None else None  # noqa: E731
-        self.client.send(AddRequest(rid, list(req.prompt_token_ids), params, arrival_time=time.monotonic(),
-                                    tenant=req.tenant, slo_ttft_s=ms(req.slo_ttft_ms), slo_tpot_s=ms(req.slo_tpot_ms),
-                                    lora_request=self.loras[req.lora] if req.lora is not None else None))
+        self.client.send(make_request(list(req.prompt_token_ids), params, defaults=self.info.request_defaults,
+                                      request_id=rid, arrival_time=time.monotonic(), tenant=req.tenant,
+                                      slo_ttft_ms=req.slo_ttft_ms, slo_tpot_ms=req.slo_tpot_ms,
+                                      lora_request=self.loras[req.lora] if req.lora is not None else None))
         try:
             await fut
         except asyncio.CancelledError:

@@ -106,7 +106,8 @@ def engine_flags() -> list[EngineFlag]:
                    "output fit in KV", action="store_true"),
         EngineFlag("block_size", "memory", "tokens per KV block", type=int),
         EngineFlag("kv_cache_memory", "memory", "GiB for the KV cache; wins over --gpu-memory-utilization "
-                   "(default: half the free memory, at most 4 GiB on CPU)", type=float),
+                   "(default: the least of every seat at full length, 4x the weights and half the RAM free after "
+                   "them; docs/memory.md)", type=float),
         EngineFlag("gpu_memory_utilization", "memory", "vLLM's budget: the fraction of the GPU's memory (CUDA) or "
                    "of total RAM (CPU) this engine may use, weights and activations included; the KV cache gets "
                    "the rest (e.g. 0.9)", type=float),

@@ -37,7 +37,7 @@ class DraftProposer:
         from conveyor.model.loader import load_checkpoint
         from conveyor.runner.model_runner import ModelRunner
 
-        ckpt = load_checkpoint(model, config.tokenizer, quantization)
+        ckpt = load_checkpoint(model, config.tokenizer)
         if num_layers is not None:  # layer skip: the first layers, then the final norm and the LM head
             if not 1 <= num_layers <= ckpt.config.num_layers:
                 raise ValueError(f"speculative_config: num_layers must be in [1, {ckpt.config.num_layers}]")
@@ -46,14 +46,13 @@ class DraftProposer:
                 return not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers
 
             ckpt.config = replace(ckpt.config, num_layers=num_layers)
-            ckpt.tensors = {k: v for k, v in ckpt.tensors.items() if keep(k)}
-            ckpt.quantized = {k: v for k, v in (ckpt.quantized or {}).items() if keep(k)}
+            ckpt.tensors = ckpt.tensors.only(keep)
         if ckpt.config.vocab_size != vocab_size:
             raise ValueError(f"speculative_config: the draft model's vocabulary ({ckpt.config.vocab_size}) differs "
                              f"from the target's ({vocab_size})")
         draft_config = replace(config, model=model, quantization=quantization, num_kv_blocks=num_blocks,
                                kv_cache_memory=None, speculative_config=None)
-        self.runner = ModelRunner(ckpt.config, ckpt.tensors, draft_config, ckpt.quantized)
+        self.runner = ModelRunner(ckpt.config, ckpt.tensors, draft_config)
         self.block_size = config.block_size
         self.pool = BlockPool(num_blocks, enable_caching=False)
         self.tables: dict[str, list[int]] = {}

@@ -3,7 +3,7 @@
 It is synchronous and single-threaded on purpose, and a closed box: callers add and abort requests,
 call `step()` (which returns a typed `StepOutput`), and read `snapshot()` / `info`; nothing outside
 `conveyor/engine/` touches the scheduler or the KV manager. The offline `LLM` steps it in a loop;
-the server and the lab drive it through `EngineLoop` (`engine_loop.py`), in a thread or a process.
+the server and the lab drive it through `EngineLoop` (`loop.py`), in a thread or a process (`clients.py`).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from conveyor.lora.adapter import LoRASpec
 from conveyor.lora.request import LoRARequest
 from conveyor.model.loader import default_sampling, load_checkpoint
 from conveyor.outputs import FinishReason, StepDelta
-from conveyor.pooling import PooledOutput, PoolingParams
-from conveyor.request import Request, sequence_ids
+from conveyor.pooling import PooledOutput
+from conveyor.request import EngineRequest, Request, RequestDefaults, sequence_ids
 from conveyor.runner.model_runner import ModelRunner
 from conveyor.runner.sampler import SampleResult
 from conveyor.sampling_params import SamplingParams
@@ -119,17 +119,6 @@ class EngineSnapshot:
 
 
 @dataclass(frozen=True)
-class KVMap:
-    """The pool's blocks as state codes (0 free, 1 cached and evictable, 2 in use, 3 shared by several
-    sequences), one byte per cell of `blocks_per_cell` blocks, plus exact totals per state."""
-
-    num_blocks: int
-    blocks_per_cell: int
-    cells: bytes
-    totals: tuple[int, int, int, int]
-
-
-@dataclass(frozen=True)
 class EngineInfo:
     """What the engine was built with; fixed for its life, and small enough to send between processes."""
 
@@ -146,13 +135,19 @@ class EngineInfo:
     bytes_per_block: int
     batch_invariant: bool
     attention_backend: str
-    default_sampling: dict = field(default_factory=dict)  # for requests that set none (--generation-config)
+    # for requests that leave fields unset: the model's sampling (--generation-config), the latency targets
+    request_defaults: RequestDefaults = field(default_factory=RequestDefaults)
     hidden_size: int = 0  # the width of an embedding (/v1/embeddings `dimensions` may not exceed it)
     lora: LoRASpec | None = None  # what adapters must fit, when LoRA is enabled (checked on the HTTP side)
     max_loras: int = 0  # distinct adapters per step (0: LoRA off)
     weight_bytes: int = 0  # the model's parameters and buffers: what every step reads once (the lab's MBU)
     lora_kernel: bool = False  # adapters' deltas run the compiled kernel (else torch's matmuls)
     quantized_linears: int = 0  # linear layers held in int8/int4 (--quantization or a quantized checkpoint)
+
+    @property
+    def default_sampling(self) -> dict:
+        """The model's recommended sampling, for requests that set none (--generation-config)."""
+        return dict(self.request_defaults.sampling)
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -186,11 +181,11 @@ class LLMEngine:
         self.config = config
         t0 = time.perf_counter()
         startup.phase(startup.LOADING_WEIGHTS, config.model)
-        ckpt = load_checkpoint(config.model, config.tokenizer, config.quantization)
+        ckpt = load_checkpoint(config.model, config.tokenizer)
         self.tokenizer = ckpt.tokenizer
         self.model_config = ckpt.config
         self.model_name = config.served_model_name or config.model
-        self.runner = ModelRunner(ckpt.config, ckpt.tensors, config, ckpt.quantized)
+        self.runner = ModelRunner(ckpt.config, ckpt.tensors, config)
         pool_tokens = self.runner.num_blocks * config.block_size
         model_ctx = ckpt.config.max_position_embeddings
         if config.max_model_len is not None:
@@ -232,7 +227,8 @@ class LLMEngine:
             dtype=str(r.dtype).removeprefix("torch."), weight_dtype=r.weight_dtype, kv_cache_dtype=r.kv_dtype_name,
             block_size=config.block_size, num_kv_blocks=r.num_blocks, bytes_per_block=r.bytes_per_block,
             batch_invariant=r.batch_invariant, attention_backend=r.attention_backend,
-            default_sampling=default_sampling(config.model, config.generation_config),
+            request_defaults=RequestDefaults(default_sampling(config.model, config.generation_config),
+                                             config.slo_ttft_ms, config.slo_tpot_ms),
             hidden_size=ckpt.config.hidden_size,
             lora=r.lora.spec if r.lora is not None else None, max_loras=config.max_loras if r.lora is not None else 0,
             weight_bytes=r.weight_bytes, lora_kernel=r.lora is not None and r.lora.kernel is not None,
@@ -265,11 +261,15 @@ class LLMEngine:
             raise ValueError(f"this KV pool ({self.runner.num_blocks} blocks of {config.block_size}) cannot hold "
                              f"one max_model_len ({self.max_model_len}) sequence")
         self.config = config
+        if getattr(self, "info", None) is not None:  # the lab's next config may bring other latency targets
+            self.info = dataclasses.replace(self.info, request_defaults=dataclasses.replace(
+                self.info.request_defaults, slo_ttft_ms=config.slo_ttft_ms, slo_tpot_ms=config.slo_tpot_ms))
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, make_policy(config), self.max_model_len)
         self.total_prompt_tokens = 0
         self.total_generation_tokens = 0
-        self.tenant_tokens: dict[str, int] = {}  # generated tokens per tenant (the dashboard's tenant rows)
+        # generated tokens per tenant, the first MAX_TENANT_ROWS (the snapshot's tenant rows: Scheduler.tenant_rows)
+        self.tenant_tokens: dict[str, int] = {}
         self.phase_seconds = dict.fromkeys(STEP_PHASES, 0.0)  # cumulative, for the log, /metrics and the lab
         self.spec_stats = SpecStats()
         self.spec_skipped_steps = 0  # steps where guesses were ready but the back-off said they would not pay
@@ -283,58 +283,36 @@ class LLMEngine:
     def validate_prompt(self, token_ids: list[int], params: SamplingParams | None = None) -> None:
         validate_prompt(token_ids, self.info)
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    priority: int = 0, arrival_time: float | None = None,
-                    cache_salt: str | None = None, pooling: PoolingParams | None = None, tenant: str | None = None,
-                    slo_ttft_s: float | None = None, slo_tpot_s: float | None = None,
-                    lora_request: LoRARequest | None = None) -> list[Request]:
-        """Queue a request (n > 1 fans out into n sequences sharing the prompt). Validates first.
-
-        With `pooling` it is an embedding request: prefill only, finished with its vector. `tenant`: who it
-        is served for (None: the default tenant); `slo_ttft_s` / `slo_tpot_s`: its latency targets (None:
-        the config's `slo_ttft_ms` / `slo_tpot_ms`, if any); `lora_request`: run it under that adapter (loaded
-        from disk on first use)."""
-        self.validate_prompt(prompt_token_ids, params)
-        lora_key = self.load_lora(lora_request) if lora_request is not None else None
+    def add_request(self, request: EngineRequest) -> list[Request]:
+        """Queue `request` (built by `conveyor.request.make_request`; n > 1 fans out into n sequences sharing
+        the prompt); returns its sequences. Checks what depends on this engine first (the prompt against the
+        vocabulary and the context, the adapter, which is loaded from disk on first use); the record itself
+        is valid by construction. With `pooling` it is an embedding request: prefill only, finished with its
+        vector."""
+        if not isinstance(request, EngineRequest):
+            raise TypeError(f"add_request takes an EngineRequest (conveyor.request.make_request), "
+                            f"got {type(request).__name__}")
+        params = request.params
+        self.validate_prompt(request.prompt_token_ids, params)
+        lora_key = self.load_lora(request.lora_request) if request.lora_request is not None else None
         params.check_vocab(self.model_config.vocab_size)
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
-        if pooling is not None and (params.n != 1 or params.structured_outputs is not None):
-            raise ValueError("an embedding request samples nothing: n must be 1 and no output grammar")
-        if tenant is not None and not isinstance(tenant, str):
-            raise ValueError(f"tenant must be a string, got {tenant!r}")
-        slo_ttft_s, slo_tpot_s = self._slo_targets(slo_ttft_s, slo_tpot_s)
-        request_id = request_id or f"req-{next(self._ids)}"
-        ids = sequence_ids(request_id, params.n)
+        group_id = request.request_id or f"req-{next(self._ids)}"
+        ids = sequence_ids(group_id, params.n)
         if any(rid in self.scheduler.requests for rid in ids):
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        arrival = arrival_time if arrival_time is not None else time.monotonic()
+            raise ValueError(f"request_id {group_id!r} is already in use")
+        arrival = request.arrival_time if request.arrival_time is not None else time.monotonic()
         so = params.structured_outputs
         matchers = [self.structured.matcher(so) for _ in ids] if so is not None else [None] * len(ids)
         self.scheduler.input_ended = False  # more input came: `end_input()` must be said again
         reqs = []
-        for i, rid in enumerate(ids):
-            req = Request(rid, list(prompt_token_ids), params.for_sample(i) if params.n > 1 else params,
-                          eos_token_ids=self.eos_token_ids, parent_id=request_id if params.n > 1 else None,
-                          index=i, priority=priority, arrival_time=arrival, cache_salt=cache_salt,
-                          fork_from=reqs[0] if reqs else None, pooling=pooling, tenant=tenant,
-                          slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s, lora_request=lora_request, lora_key=lora_key)
+        for i in range(len(ids)):
+            req = Request.from_engine_request(request, group_id, i, arrival_time=arrival,
+                                              eos_token_ids=self.eos_token_ids, fork_from=reqs[0] if reqs else None,
+                                              lora_key=lora_key)
             req.matcher = matchers[i]
             self.scheduler.add(req)
             reqs.append(req)
         return reqs
-
-    def _slo_targets(self, ttft: float | None, tpot: float | None) -> tuple[float | None, float | None]:
-        """A request's latency targets in seconds: its own, else the config's defaults (ms)."""
-        out = []
-        for value, default_ms, name in ((ttft, self.config.slo_ttft_ms, "slo_ttft"),
-                                        (tpot, self.config.slo_tpot_ms, "slo_tpot")):
-            if value is None:
-                value = default_ms / 1000.0 if default_ms is not None else None
-            elif isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-            out.append(value)
-        return out[0], out[1]
 
     # --- LoRA adapters ---------------------------------------------------------------------------------
     def _loras_in_use(self) -> set[int]:
@@ -371,13 +349,6 @@ class LLMEngine:
             self.runner.lora.remove(lid)
             self.lora_to_remove.discard(lid)
         self.runner.lora.trim(in_use)
-
-    def _lora_counts(self, reqs) -> tuple[tuple[str, int], ...]:
-        counts: dict[str, int] = {}
-        for r in reqs:
-            if r.lora_request is not None:
-                counts[r.lora_request.lora_name] = counts.get(r.lora_request.lora_name, 0) + 1
-        return tuple(sorted(counts.items()))
 
     def abort_request(self, request_id: str) -> list[StepDelta]:
         """Abort a request (all n of its sequences); frees their KV blocks at once. Returns a final
@@ -422,6 +393,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def running_group_ids(self) -> list[str]:
+        """The groups in the running batch (scheduled, prefilling or decoding): what a failed step was working on."""
+        return sorted({r.group_id for r in self.scheduler.running})
 
     # --- the step -----------------------------------------------------------------------------------
     def step(self) -> StepOutput:
@@ -622,6 +597,7 @@ class LLMEngine:
 
     # --- read-only views ------------------------------------------------------------------------------
     def snapshot(self) -> EngineSnapshot:
+        lora_running, lora_waiting = self.scheduler.lora_counts() if self.runner.lora is not None else ((), ())
         return EngineSnapshot(
             running=self.num_running, waiting=self.num_waiting, kv_blocks_used=self.kv.pool.num_used,
             kv_blocks_total=self.kv.pool.num_blocks, prompt_tokens=self.total_prompt_tokens,
@@ -632,28 +608,10 @@ class LLMEngine:
             spec_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_accepted_tokens=self.spec_stats.num_accepted_tokens,
             spec_accepted_per_pos=tuple(self.spec_stats.accepted_per_pos),
-            lora_running=self._lora_counts(self.scheduler.running) if self.runner.lora is not None else (),
-            lora_waiting=self._lora_counts([*self.scheduler.waiting, *(r for v in self.scheduler.held.values()
-                                                                         for r in v)])
-            if self.runner.lora is not None else (),
+            lora_running=lora_running, lora_waiting=lora_waiting,
             lora_loaded=tuple(r.lora_name for r in self.runner.lora.loaded) if self.runner.lora is not None else (),
             steps=self.scheduler.step_count, lora_deferrals=self.scheduler.num_lora_deferrals,
-            tenants=self._tenant_rows())
-
-    def _tenant_rows(self) -> tuple[tuple[str, int, int, int], ...]:
-        """(tenant, running, waiting, tokens generated) for every tenant with a request now and every one
-        whose tokens are counted (the first `MAX_TENANT_ROWS` seen, so that a server with a tenant per user
-        keeps a bounded table). Running and waiting are counted from the queues at each snapshot rather than
-        kept up to date at every transition: the queues are the only truth."""
-        rows: dict[str, list[int]] = {t: [0, 0] for t in self.tenant_tokens}
-        for r in self.scheduler.running:
-            rows.setdefault(r.tenant_id, [0, 0])[0] += 1
-        for r in self.scheduler.waiting:
-            rows.setdefault(r.tenant_id, [0, 0])[1] += 1
-        for v in self.scheduler.held.values():
-            for r in v:
-                rows.setdefault(r.tenant_id, [0, 0])[1] += 1
-        return tuple((t, run, wait, self.tenant_tokens.get(t, 0)) for t, (run, wait) in sorted(rows.items()))
+            tenants=self.scheduler.tenant_rows(self.tenant_tokens))
 
     def activation_headroom(self, config: EngineConfig) -> int:
         """Bytes a step's activations may take at most under `config` (kept out of the KV budget)."""
@@ -663,16 +621,6 @@ class LLMEngine:
     def model(self) -> torch.nn.Module:
         """The loaded model (read-only use: inspecting its layers, as a user of HF's model would)."""
         return self.runner.model
-
-    def lora_weights_held(self) -> set[int]:
-        """Adapter ids whose weights some layer of the model still holds (an unload must leave none)."""
-        if self.runner.lora is None:
-            return set()
-        return {lid for layer in self.runner.lora.layers for lin in layer.values() for lid in lin.stacked}
-
-    def kv_pool_is_zero(self) -> bool:
-        """Whether every KV cache tensor holds only zeros (a populated pool starts so)."""
-        return all(not t.any() for layer in self.runner.kv_caches for t in layer)
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
@@ -697,22 +645,6 @@ class LLMEngine:
     def reset_prefix_cache(self) -> None:
         """Forget every cached block that no request holds (a cold start for tests and benchmarks)."""
         self.kv.pool.reset_cache()
-
-    def kv_map(self, max_cells: int = 4096) -> KVMap:
-        """The KV pool at a glance, for the dashboard: each cell is the most common state of its blocks."""
-        codes = self.kv.pool.state_codes()
-        n = len(codes)
-        group = -(-n // max_cells)
-        if group > 1:
-            padded = np.zeros(-(-n // group) * group, dtype=np.uint8)
-            padded[:n] = codes
-            counts = np.stack([(padded.reshape(-1, group) == c).sum(1) for c in range(4)], axis=1)
-            counts[-1, 0] -= padded.size - n  # the padding is not free blocks
-            cells = (3 - counts[:, ::-1].argmax(1)).astype(np.uint8)  # ties go to the busier state
-        else:
-            cells = codes
-        totals = np.bincount(codes, minlength=4)
-        return KVMap(n, group, cells.tobytes(), tuple(int(x) for x in totals))
 
     @property
     def num_running(self) -> int:

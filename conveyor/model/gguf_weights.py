@@ -5,8 +5,9 @@ Why: CPU users hold GGUF files in these formats (Q4_K_M above all). Dequantized 
 (4.9 GB) becomes 16 GB of bf16 and a decode step reads three times the bytes. Kept, each tensor's blocks are
 repacked once (the same bytes, rearranged for the SIMD lanes) and read as they are.
 
-Which weights are kept (`keep_policy`, then `kept` per tensor): by default, every tensor of a type above in
-a file whose layer weights are mostly one of those types, except Q4_1: the built-in model
+Which weights are kept (`keep_policy` per file, from its header; then `keepable` per tensor, packed by the
+loader's per-tensor hook `loader.keep_gguf_tensor` as the runner builds each layer): by default, every tensor
+of a type above in a file whose layer weights are mostly one of those types, except Q4_1: the built-in model
 (SmolLM2-135M-Instruct, a Q4_1 file) keeps the behaviour it always had, dequantized to the model's dtype
 (`--quantization int4` keeps its Q4_1 blocks on the int4 kernel, as before). `--quantization gguf` keeps
 every tensor of a kernel type whatever the file (Q4_1 included); `--quantization none` dequantizes
@@ -87,17 +88,19 @@ def kernels_available() -> bool:
 
 
 def main_type(tensors) -> str | None:
-    """The type holding most bytes among a GGUF's layer weights (`blk.*`, 2-D): what the file "is"."""
+    """The type holding most bytes among a GGUF's layer weights (`blk.*`, 2-D): what the file "is". `tensors`:
+    the file's tensors as the loader reads them from its header (`loader.GGUFTensor`: name, shape, qtype,
+    n_bytes)."""
     by_type: Counter = Counter()
     for t in tensors:
         if t.name.startswith("blk.") and len(t.shape) == 2:
-            by_type[t.tensor_type.name] += int(t.n_bytes)
+            by_type[t.qtype] += int(t.n_bytes)
     return by_type.most_common(1)[0][0] if by_type else None
 
 
 def keep_policy(tensors, quantization: str | None) -> frozenset[str]:
-    """The GGUF types a load keeps as blocks (empty: dequantize everything), from the file's tensors (a
-    GGUFReader's) and `--quantization` (module docstring)."""
+    """The GGUF types a load keeps as blocks (empty: dequantize everything), from the file's tensors (as
+    `main_type` takes them) and `--quantization` (module docstring)."""
     if quantization in ("none", "int8", "int4"):
         return frozenset()
     if quantization == "gguf":
@@ -111,45 +114,11 @@ def keep_policy(tensors, quantization: str | None) -> frozenset[str]:
     return types
 
 
-def kept(t, types: frozenset[str], permute=None) -> GGUFWeight | None:
-    """The per-tensor decision: a GGUF tensor (a GGUFReader's) kept as blocks, or None to dequantize it.
-    `permute`: a function reordering its rows (as [N, ...] arrays: GGUF's q/k RoPE order to HF's). The weight
-    owns its bytes (packed here), and the tensor's pages of the file mapping are let go at once: a load then
-    holds the packed weights, not those and the file as well."""
-    qtype = t.tensor_type.name
-    if qtype not in types or len(t.shape) != 2:
-        return None
-    cols, rows = (int(x) for x in t.shape)
-    if rows % COLUMNS:
-        return None
-    raw = np.asarray(t.data).reshape(rows, -1)
-    w = GGUFWeight.from_raw(qtype, raw if permute is None else permute(raw), (rows, cols))
-    _release(t.data)
-    return w
-
-
-def _release(view: np.ndarray) -> None:
-    """Let go of the pages of a file mapping that `view` (a view of a numpy memmap) covers: MADV_DONTNEED on clean
-    file pages drops them from this process (its RSS) and keeps them in the page cache; a later read faults
-    them back in. Best effort: anything but a view of a memmap is left alone."""
-    import mmap
-
-    root = view
-    while root is not None and not isinstance(getattr(root, "base", None), mmap.mmap):
-        root = getattr(root, "base", None)
-    if root is None or not isinstance(root, np.memmap) or not hasattr(mmap, "MADV_DONTNEED"):
-        return
-    mm, page = root.base, mmap.PAGESIZE
-    # where the view starts in the mapping (np.memmap maps from the offset rounded down to the granularity)
-    pos = (view.__array_interface__["data"][0] - root.__array_interface__["data"][0]
-           + root.offset % mmap.ALLOCATIONGRANULARITY)
-    first = pos // page * page
-    length = min(len(mm) - first, (pos + view.nbytes - first + page - 1) // page * page)
-    try:
-        if length > 0:
-            mm.madvise(mmap.MADV_DONTNEED, first, length)
-    except (OSError, ValueError):
-        pass
+def keepable(qtype: str, shape: tuple[int, ...], types: frozenset[str]) -> bool:
+    """Whether a tensor of `qtype` and `shape` (numpy order: rows, cols) is kept as its blocks under `types` (a
+    `keep_policy`): a 2-D weight of one of those types whose rows fill whole column groups. The loader's
+    per-tensor hook (`loader.keep_gguf_tensor`) packs exactly the tensors this passes."""
+    return qtype in types and len(shape) == 2 and shape[0] % COLUMNS == 0
 
 
 # --- modules --------------------------------------------------------------------------------------------------
@@ -223,6 +192,10 @@ class GGUFEmbedding(nn.Module):
         self.qtype, self.num_embeddings = table.parts[0]
         self.embedding_dim = table.in_features
         self.dtype = dtype
+
+    def tied_head(self) -> GGUFLinear:
+        """The LM head of a model whose head is tied to this embedding: the same blocks, not a copy."""
+        return self.table
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = kernels.load().gguf_dequant_rows(GGML_TYPES[self.qtype], self.table.packed, self.num_embeddings,

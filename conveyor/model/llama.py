@@ -7,6 +7,7 @@ into one matmul each at load time (fewer, larger GEMMs are what a CPU or GPU run
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -98,6 +99,11 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         scaled = torch.where(wavelen > low_wl, inv / factor, inv)
         mid = (wavelen <= low_wl) & (wavelen >= high_wl)
         return torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    if kind == "freq_factors":  # a GGUF's rope_freqs tensor: llama.cpp divides each frequency by its factor
+        factors = torch.tensor(rs["factors"], dtype=torch.float32)
+        if factors.shape != inv.shape:
+            raise ValueError(f"rope_freqs has {factors.numel()} factors for {inv.numel()} frequencies")
+        return inv / factors
     raise ValueError(f"rope_scaling type {kind!r} is not supported")
 
 
@@ -191,6 +197,25 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(x, cos, sin, cache, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+
+# a decoder layer's linear modules, each the HF weights `linear_parts` names fused in row order
+LAYER_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+def linear_parts(cfg: ModelConfig, tied: bool | None = None) -> dict[str, list[str]]:
+    """Every linear module of the model (`lm_head`, `layers.{i}.self_attn.qkv_proj`, ...) and the HF weights it
+    is made of, fused in row order (q/k/v, gate/up): the one statement of the fusing, for the loader and for the
+    memory estimate (runner/memory.py). A tied LM head is the embedding's weight (`tied`: default from cfg)."""
+    tied = cfg.tie_word_embeddings if tied is None else tied
+    out = {"lm_head": ["model.embed_tokens.weight" if tied else "lm_head.weight"]}
+    for i in range(cfg.num_layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        out[f"layers.{i}.self_attn.qkv_proj"] = [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]
+        out[f"layers.{i}.self_attn.o_proj"] = [a + "o_proj.weight"]
+        out[f"layers.{i}.mlp.gate_up_proj"] = [m + "gate_proj.weight", m + "up_proj.weight"]
+        out[f"layers.{i}.mlp.down_proj"] = [m + "down_proj.weight"]
+    return out
 
 
 class LlamaModel(nn.Module):
@@ -303,122 +328,62 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def fuse_quantized(self, quantized: dict) -> dict:
-        """Map a checkpoint's quantized weights (HF names -> QuantizedWeight) onto this model's linear
-        modules, fusing q/k/v and gate/up as `load_hf_state_dict` does; a module any part of which is
-        missing is left out (it is quantized from its float weight instead)."""
-        from conveyor.model.quantization import QuantizedWeight
+    def load_weights(self, names: Collection[str], read: Callable[[str], torch.Tensor],
+                     make_linear: Callable[[str, list[str], list[str] | None, torch.Tensor | None], nn.Module],
+                     make_embedding: Callable[[str], nn.Module | None] | None = None) -> None:
+        """Take weights named as in HF's LlamaForCausalLM, one module at a time: `read(hf_name)` gives a tensor
+        as it will be served (dtype, device), `make_linear(module, parts, bias_parts, weight)` builds a linear
+        module from HF weights fused in row order (`linear_parts`: q/k/v and gate/up into one matmul each;
+        `weight`: a tensor already read, the embedding for a tied LM head), `make_embedding(hf_name)` the
+        embedding where it is served otherwise than as a float table (a GGUF's blocks; None: a table from
+        `read`; a tied LM head then comes from the module's `tied_head()`). The caller decides what a linear
+        becomes (plain, packed, quantized, GGUF blocks) and reads its parts itself, so no tensor is held longer
+        than its own conversion. The embedding and the LM head come first: the largest tensors convert while
+        little else is held."""
+        names = set(names)
+        used: set[str] = set()
+        embed_name = "model.embed_tokens.weight"
 
-        out = {}
-        head = quantized.get("lm_head.weight")
-        if head is None and self.cfg.tie_word_embeddings:
-            head = quantized.get("model.embed_tokens.weight")
-        if head is not None:
-            out["lm_head"] = head
-        fused = {"self_attn.qkv_proj": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
-                 "self_attn.o_proj": ["self_attn.o_proj"],
-                 "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"],
-                 "mlp.down_proj": ["mlp.down_proj"]}
-        for i in range(self.cfg.num_layers):
-            for mod, parts in fused.items():
-                ws = [quantized.get(f"model.layers.{i}.{p}.weight") for p in parts]
-                if all(w is not None for w in ws):
-                    try:
-                        out[f"layers.{i}.{mod}"] = QuantizedWeight.cat(ws)
-                    except ValueError:  # parts quantized differently: quantize the fused float weight
-                        pass
-        return out
+        def get(name: str) -> nn.Parameter:
+            used.add(name)
+            return nn.Parameter(read(name), requires_grad=False)
 
-    def gguf_modules(self) -> dict[str, list[str]]:
-        """This model's weight-holding modules and the HF weights each is made of (q/k/v and gate/up fused)."""
-        out = {"embed_tokens": ["model.embed_tokens.weight"], "lm_head": ["lm_head.weight"]}
-        for i in range(self.cfg.num_layers):
-            a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-            out[f"layers.{i}.self_attn.qkv_proj"] = [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]
-            out[f"layers.{i}.self_attn.o_proj"] = [a + "o_proj.weight"]
-            out[f"layers.{i}.mlp.gate_up_proj"] = [m + "gate_proj.weight", m + "up_proj.weight"]
-            out[f"layers.{i}.mlp.down_proj"] = [m + "down_proj.weight"]
-        return out
+        def linear(module: str, parts: list[str], weight: torch.Tensor | None = None) -> nn.Module:
+            bias_parts = [p.removesuffix(".weight") + ".bias" for p in parts] if self._has_bias(module) else None
+            missing = [n for n in [*parts, *(bias_parts or [])] if n not in names and weight is None]
+            if missing:
+                raise ValueError(f"checkpoint does not fit the model: missing {missing[:5]}")
+            used.update(parts)
+            used.update(bias_parts or [])
+            return make_linear(module, parts, bias_parts, weight)
 
-    def install_gguf(self, weights: dict, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> int:
-        """Serve a GGUF's kept block weights (HF names -> GGUFWeight, model/gguf_weights.py) as they ship: every
-        module all of whose weights are kept becomes a GGUFLinear (the embedding a GGUFEmbedding, its tied LM
-        head a GGUFLinear on the same blocks); a kept weight of a module whose other parts are not is
-        dequantized into `tensors` instead. Call before `load_hf_state_dict`, which then skips those modules.
-        Returns the number of GGUF modules."""
-        from conveyor.model.gguf_weights import GGUFEmbedding, GGUFLinear
-
-        if self.cfg.qkv_bias or self.cfg.o_bias or self.cfg.mlp_bias:
-            raise ValueError("GGUF block weights with biases are not supported")
-        count = 0
-        for mod, names in self.gguf_modules().items():
-            parts = [weights.get(n) for n in names]
-            if mod == "lm_head" and parts[0] is None and self.cfg.tie_word_embeddings and isinstance(
-                    self.embed_tokens, GGUFEmbedding):
-                self.lm_head = self.embed_tokens.table  # the tied head reads the embedding's blocks
-                count += 1
-                continue
-            if not any(p is not None for p in parts):
-                continue
-            if not all(p is not None for p in parts):
-                for n, p in zip(names, parts):
-                    if p is not None:
-                        tensors[n] = p.dequantize()
-                continue
-            linear = GGUFLinear(parts, dtype)
-            if mod == "embed_tokens":
-                self.embed_tokens = GGUFEmbedding(linear, dtype)
-            else:
-                parent, _, attr = mod.rpartition(".")
-                setattr(self.get_submodule(parent) if parent else self, attr, linear)
-            count += 1
-        return count
-
-    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Take weights named as in HF's LlamaForCausalLM, fusing q/k/v and gate/up. Modules `install_gguf`
-        replaced hold their weights already: theirs are not looked for."""
-        plain = {mod for mod in self.gguf_modules() if isinstance(self.get_submodule(mod), (nn.Linear, nn.Embedding))}
-        sd: dict[str, torch.Tensor] = {}
-        get = tensors.pop
-        if "embed_tokens" in plain:
-            sd["embed_tokens.weight"] = get("model.embed_tokens.weight")
-        sd["norm.weight"] = get("model.norm.weight")
-        tied = self.cfg.tie_word_embeddings or "lm_head.weight" not in tensors
-        head = tensors.pop("lm_head.weight", None)
-        if "lm_head" in plain:
-            sd["lm_head.weight"] = sd["embed_tokens.weight"] if tied else head
-        for i in range(self.cfg.num_layers):
+        if embed_name not in names:
+            raise ValueError(f"checkpoint does not fit the model: missing [{embed_name!r}]")
+        embedding = make_embedding(embed_name) if make_embedding is not None else None
+        if embedding is not None:
+            used.add(embed_name)
+            self.embed_tokens = embedding
+        else:
+            self.embed_tokens.weight = get(embed_name)
+        parts = linear_parts(self.cfg, tied=self.cfg.tie_word_embeddings or "lm_head.weight" not in names)
+        if parts["lm_head"] == [embed_name]:  # tied
+            self.lm_head = (embedding.tied_head() if embedding is not None
+                            else linear("lm_head", [embed_name], self.embed_tokens.weight))
+        else:
+            self.lm_head = linear("lm_head", parts["lm_head"])
+        self.norm.weight = get("model.norm.weight")
+        for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            sd[f"layers.{i}.input_layernorm.weight"] = get(p + "input_layernorm.weight")
-            sd[f"layers.{i}.post_attention_layernorm.weight"] = get(p + "post_attention_layernorm.weight")
-            a = p + "self_attn."
-            if f"layers.{i}.self_attn.qkv_proj" in plain:
-                sd[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat(
-                    [get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")])
-            if self.cfg.qkv_bias:
-                sd[f"layers.{i}.self_attn.qkv_proj.bias"] = torch.cat(
-                    [get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias")])
-            if f"layers.{i}.self_attn.o_proj" in plain:
-                sd[f"layers.{i}.self_attn.o_proj.weight"] = get(a + "o_proj.weight")
-            if self.cfg.o_bias:
-                sd[f"layers.{i}.self_attn.o_proj.bias"] = get(a + "o_proj.bias")
-            m = p + "mlp."
-            if f"layers.{i}.mlp.gate_up_proj" in plain:
-                sd[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
-                    [get(m + "gate_proj.weight"), get(m + "up_proj.weight")])
-            if f"layers.{i}.mlp.down_proj" in plain:
-                sd[f"layers.{i}.mlp.down_proj.weight"] = get(m + "down_proj.weight")
-            if self.cfg.mlp_bias:
-                sd[f"layers.{i}.mlp.gate_up_proj.bias"] = torch.cat(
-                    [get(m + "gate_proj.bias"), get(m + "up_proj.bias")])
-                sd[f"layers.{i}.mlp.down_proj.bias"] = get(m + "down_proj.bias")
-        leftover = [k for k in tensors if not k.endswith("rotary_emb.inv_freq")]
+            layer.input_layernorm.weight = get(p + "input_layernorm.weight")
+            layer.post_attention_layernorm.weight = get(p + "post_attention_layernorm.weight")
+            for attr in LAYER_LINEARS:
+                owner, _, name = attr.rpartition(".")
+                setattr(layer.get_submodule(owner), name, linear(f"layers.{i}.{attr}", parts[f"layers.{i}.{attr}"]))
+        leftover = sorted(n for n in names - used if not n.endswith("rotary_emb.inv_freq"))
         if leftover:
             raise ValueError(f"checkpoint has weights this model does not use: {leftover[:5]}")
-        missing, unexpected = self.load_state_dict(sd, strict=False, assign=True)
-        missing = [k for k in missing if k != "inv_freq"]
-        if missing or unexpected:
-            raise ValueError(f"checkpoint does not fit the model: missing {missing[:5]}, "
-                             f"unexpected {unexpected[:5]}")
-        if tied and {"lm_head", "embed_tokens"} <= plain:
-            self.lm_head.weight = self.embed_tokens.weight
+
+    def _has_bias(self, module: str) -> bool:
+        c = self.cfg
+        return (c.qkv_bias if module.endswith("qkv_proj") else c.o_bias if module.endswith("o_proj")
+                else c.mlp_bias if module.endswith(("gate_up_proj", "down_proj")) else False)

@@ -10,8 +10,11 @@ import hashlib
 import importlib.util
 import json
 import logging
+import mmap
 import os
-from dataclasses import dataclass, field
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -62,12 +65,10 @@ def default_sampling(model: str, generation_config: str = "auto") -> dict:
 class LoadedCheckpoint:
     name: str
     config: ModelConfig
-    tensors: dict[str, torch.Tensor]  # HF names
+    # HF-named tensors, read from disk one at a time when asked (a `Mapping`: `ckpt.tensors[name]` reads one)
+    tensors: WeightSource
     tokenizer: object  # a transformers tokenizer
     path: str
-    # weights the file holds already quantized, kept as shipped (HF names): GGUF Q4_0/Q4_1 as QuantizedWeight
-    # under --quantization int4, GGUF block weights as GGUFWeight (model/gguf_weights.py)
-    quantized: dict = field(default_factory=dict)
 
 
 def cache_dir() -> Path:
@@ -116,24 +117,21 @@ def _download(repo_id: str) -> Path:
     return Path(path)
 
 
-def load_checkpoint(model: str, tokenizer: str | None = None, quantization: str | None = None) -> LoadedCheckpoint:
-    """`quantization="int4"` also keeps a GGUF's Q4_0/Q4_1 weights as they are (`LoadedCheckpoint.quantized`);
-    a GGUF's block weights that `gguf_weights.keep_policy` keeps (by default a k-quant, Q8_0, Q4_0 or Q5_0/1
-    file's) come as `GGUFWeight`s in `quantized` instead of `tensors`."""
+def load_checkpoint(model: str, tokenizer: str | None = None) -> LoadedCheckpoint:
+    """The model's config and tokenizer, and its weights as a `WeightSource`: nothing but headers is read
+    here; the runner reads each tensor when it builds the layer that needs it (conveyor/runner/model_runner.py)."""
     kind, path = resolve(model)
-    quantized = {}
     if kind == "gguf":
-        cfg, tensors, quantized = _load_gguf(path, quantization)
+        source: WeightSource = GGUFSource(path)
+        cfg = source.config
         tok = _gguf_tokenizer(path) if tokenizer is None else _hf_tokenizer(tokenizer)
-        if quantization == "int4":
-            quantized = _gguf_quantized(path, cfg)
     else:
-        cfg, tensors = _load_hf_dir(path)
+        cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+        source = hf_weights(path)
         tok = _hf_tokenizer(tokenizer or str(path))
     if not cfg.eos_token_ids and tok.eos_token_id is not None:
         cfg.eos_token_ids = [tok.eos_token_id]
-    return LoadedCheckpoint(name=model, config=cfg, tensors=tensors, tokenizer=tok, path=str(path),
-                            quantized=quantized)
+    return LoadedCheckpoint(name=model, config=cfg, tensors=source, tokenizer=tok, path=str(path))
 
 
 def load_tokenizer(model: str, tokenizer: str | None = None):
@@ -145,28 +143,221 @@ def load_tokenizer(model: str, tokenizer: str | None = None):
     return _gguf_tokenizer(path) if kind == "gguf" else _hf_tokenizer(str(path))
 
 
+def load_config(model: str) -> ModelConfig:
+    """Only the model's config (headers read, no weights)."""
+    kind, path = resolve(model)
+    if kind == "gguf":
+        return GGUFSource(path).config
+    return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+
+
 def _hf_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
 
 
-def _load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
-    files = sorted(path.glob("*.safetensors"))
-    tensors: dict[str, torch.Tensor] = {}
-    if files:
-        from safetensors.torch import load_file
+# --- weight sources -------------------------------------------------------------------------------
 
+READ_CHUNK_BYTES = 64 * 2**20  # converted a chunk of rows at a time: the transient of a dtype change or dequantization
+
+
+class WeightSource(Mapping):
+    """A checkpoint's tensors under Hugging Face's names, read from disk one at a time when asked.
+
+    Why not a dict of tensors: an 8B model is 16 GB of bf16, and a loader that first reads every tensor, then
+    fuses, converts, quantizes or packs them, holds the model two or three times over (int4 on a 24 GiB machine
+    was killed by the OOM killer). The runner asks for one weight (or the parts of one fused weight) at a time,
+    `read` puts it straight into the buffer it will be served from (a pread into fresh memory: no memory map
+    whose pages would stay resident, and a file read exactly once), and whatever is converted is converted a
+    chunk of rows at a time. `ckpt.tensors[name]` (the Mapping protocol) reads one tensor, for tests and tools.
+    """
+
+    def __init__(self) -> None:
+        self.bytes_read = 0  # file bytes read so far (the startup log's read rate)
+
+    def names(self) -> list[str]:
+        raise NotImplementedError
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def read(self, name: str, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Tensor `name` in `dtype` (default: the file's, fp32 for a quantized GGUF type) in fresh memory, or
+        written into `out` (a contiguous tensor of its shape) and returned."""
+        raise NotImplementedError
+
+    def kept(self, name: str, quantization: str | None):
+        """The weight as the file holds it, already quantized, where the engine serves it that way
+        (`keep_gguf_tensor`: a GGUF's blocks as `gguf_weights.GGUFWeight`, or Q4_0/Q4_1 as the int4 kernel's
+        `QuantizedWeight` under `--quantization int4`), else None: it is read as floats and quantized (or not) by
+        the runner."""
+        return None
+
+    def kept_blocks(self, quantization: str | None) -> dict[str, int]:
+        """The weights `kept` serves as the file's GGUF blocks under `quantization` (HF name -> bytes served),
+        from the headers alone: what the runner builds GGUF modules of, and what the memory check counts at
+        their real size before any weight is read."""
+        return {}
+
+    def only(self, keep) -> WeightSource:
+        """The tensors whose names pass `keep` (a speculative draft's first layers)."""
+        return _Filtered(self, keep)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self:
+            raise KeyError(name)
+        return self.read(name)
+
+    def __iter__(self):
+        return iter(self.names())
+
+    def __len__(self) -> int:
+        return len(self.names())
+
+
+class _Filtered(WeightSource):
+    def __init__(self, inner: WeightSource, keep) -> None:
+        super().__init__()
+        self.inner, self._names = inner, [n for n in inner.names() if keep(n)]
+        self._set = set(self._names)
+
+    def names(self) -> list[str]:
+        return self._names
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._set
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.inner.shape(name)
+
+    def read(self, name, dtype=None, out=None):
+        before = self.inner.bytes_read
+        t = self.inner.read(name, dtype, out)
+        self.bytes_read += self.inner.bytes_read - before
+        return t
+
+    def kept(self, name, quantization):
+        return self.inner.kept(name, quantization)
+
+    def kept_blocks(self, quantization):
+        return {n: b for n, b in self.inner.kept_blocks(quantization).items() if n in self._set}
+
+
+class TensorDictSource(WeightSource):
+    """Tensors already in memory (a `pytorch_model.bin`, memory-mapped by torch.load; tests)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.tensors = tensors
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.tensors
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name].shape)
+
+    def read(self, name, dtype=None, out=None):
+        t = self.tensors[name]
+        self.bytes_read += t.numel() * t.element_size()
+        if out is not None:
+            return out.copy_(t)
+        return t.to(dtype) if dtype is not None else t
+
+
+def _pread_into(path: str, dst: torch.Tensor, offset: int) -> None:
+    """Fill the contiguous tensor `dst` with the file's bytes from `offset` (no memory map: the pages read land in
+    `dst` alone, and the process holds nothing of the file once the call returns)."""
+    buf = memoryview(dst.reshape(-1).view(torch.uint8).numpy())
+    n = len(buf)
+    with open(path, "rb", buffering=0) as f:
+        pos = 0
+        while pos < n:
+            got = os.preadv(f.fileno(), [buf[pos:pos + (1 << 28)]], offset + pos)
+            if got <= 0:
+                raise ValueError(f"{path}: file ends before its header says (wanted {n} bytes at {offset})")
+            pos += got
+
+
+_ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
+
+
+def _row_chunks(rows: int, row_bytes: int):
+    step = max(1, READ_CHUNK_BYTES // max(1, row_bytes))
+    for a in range(0, rows, step):
+        yield a, min(rows, a + step)
+
+
+class SafetensorsSource(WeightSource):
+    """safetensors files, read through their headers (8-byte length, JSON of dtype / shape / offsets)."""
+
+    def __init__(self, files: list[Path]) -> None:
+        super().__init__()
+        self.entries: dict[str, tuple[str, torch.dtype, tuple[int, ...], int]] = {}
         for f in files:
-            tensors.update(load_file(str(f)))
+            with open(f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(n))
+            for name, e in header.items():
+                if name == "__metadata__":
+                    continue
+                if e["dtype"] not in _ST_DTYPES:
+                    raise ValueError(f"{f}: tensor {name} has dtype {e['dtype']}, which is not supported")
+                self.entries[name] = (str(f), _ST_DTYPES[e["dtype"]], tuple(e["shape"]), 8 + n + e["data_offsets"][0])
+
+    def names(self) -> list[str]:
+        return list(self.entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.entries
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.entries[name][2]
+
+    def read(self, name, dtype=None, out=None):
+        path, fdtype, shape, offset = self.entries[name]
+        dtype = dtype or (out.dtype if out is not None else fdtype)
+        if out is None:
+            out = torch.empty(shape, dtype=dtype)
+        elif tuple(out.shape) != shape or not out.is_contiguous():
+            raise ValueError(f"{name}: shape {shape} read into a {tuple(out.shape)} buffer")
+        elem = torch.empty((), dtype=fdtype).element_size()
+        if out.dtype == fdtype:
+            _pread_into(path, out, offset)
+        else:  # a chunk of rows at a time in the file's dtype, converted into `out`
+            rows = shape[0] if shape else 1
+            row_elems = out.numel() // max(1, rows)
+            flat = out.view(rows, row_elems)
+            for a, b in _row_chunks(rows, row_elems * elem):
+                tmp = torch.empty(b - a, row_elems, dtype=fdtype)
+                _pread_into(path, tmp, offset + a * row_elems * elem)
+                flat[a:b].copy_(tmp)
+        self.bytes_read += out.numel() * elem
+        return out
+
+
+def hf_weights(path: Path) -> WeightSource:
+    """An HF directory's weights: its safetensors shards (those its index names, where it has one), else its
+    `pytorch_model*.bin` files."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
     else:
-        bins = sorted(path.glob("pytorch_model*.bin"))
-        if not bins:
-            raise ValueError(f"model directory {path} holds no *.safetensors or pytorch_model*.bin weights")
-        for f in bins:
-            tensors.update(torch.load(f, map_location="cpu", weights_only=True))
-    return cfg, tensors
+        files = sorted(path.glob("*.safetensors"))
+    if files:
+        return SafetensorsSource(files)
+    bins = sorted(path.glob("pytorch_model*.bin"))
+    if not bins:
+        raise ValueError(f"model directory {path} holds no *.safetensors or pytorch_model*.bin weights")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in bins:
+        tensors.update(torch.load(f, map_location="cpu", weights_only=True, mmap=True))
+    return TensorDictSource(tensors)
 
 
 # --- GGUF -----------------------------------------------------------------------------------------
@@ -188,9 +379,69 @@ _GGUF_NAMES = {
 GGUF_ARCHITECTURES = ("llama",)
 
 
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def read_gguf_header(path: Path) -> tuple[dict, list[tuple[str, tuple[int, ...], int, int]]]:
+    """A GGUF file's metadata (scalars and strings; arrays are skipped: the vocabulary is the tokenizer's
+    business) and its tensors as (name, shape in numpy order, ggml type id, absolute offset of the data).
+
+    Our own reader of the format (magic, version, counts, key/value pairs, tensor infos, aligned data) rather
+    than gguf-py's GGUFReader, which builds a numpy view of every one of the vocabulary's strings and merges:
+    7.8 s for SmolLM2's 49k tokens, ~20 s for a Llama 3 vocabulary, before any weight is read."""
+    fields: dict = {}
+    tensors = []
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        if m[:4] != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file")
+        version, n_tensors, n_kv = struct.unpack_from("<IQQ", m, 4)
+        if version not in (2, 3):
+            raise ValueError(f"{path}: GGUF version {version} is not supported (a big-endian file?)")
+        pos = 24
+
+        def string(pos: int) -> tuple[str, int]:
+            (n,) = struct.unpack_from("<Q", m, pos)
+            return m[pos + 8:pos + 8 + n].decode("utf-8", errors="replace"), pos + 8 + n
+
+        def skip(kind: int, pos: int, count: int) -> int:
+            if kind in _GGUF_SCALARS:
+                return pos + count * struct.calcsize(_GGUF_SCALARS[kind])
+            if kind == _GGUF_STRING:
+                for _ in range(count):
+                    pos += 8 + struct.unpack_from("<Q", m, pos)[0]
+                return pos
+            if kind == _GGUF_ARRAY:
+                for _ in range(count):
+                    sub, n = struct.unpack_from("<IQ", m, pos)
+                    pos = skip(sub, pos + 12, n)
+                return pos
+            raise ValueError(f"{path}: unknown GGUF value type {kind}")
+
+        for _ in range(n_kv):
+            key, pos = string(pos)
+            (kind,) = struct.unpack_from("<I", m, pos)
+            pos += 4
+            if kind in _GGUF_SCALARS:
+                (fields[key],) = struct.unpack_from(_GGUF_SCALARS[kind], m, pos)
+                pos += struct.calcsize(_GGUF_SCALARS[kind])
+            elif kind == _GGUF_STRING:
+                fields[key], pos = string(pos)
+            elif kind == _GGUF_ARRAY:
+                sub, n = struct.unpack_from("<IQ", m, pos)
+                pos = skip(sub, pos + 12, n)
+            else:
+                raise ValueError(f"{path}: unknown GGUF value type {kind} for {key}")
+        for _ in range(n_tensors):
+            name, pos = string(pos)
+            (n_dims,) = struct.unpack_from("<I", m, pos)
+            dims = struct.unpack_from(f"<{n_dims}Q", m, pos + 4)
+            qtype, offset = struct.unpack_from("<IQ", m, pos + 4 + 8 * n_dims)
+            pos += 4 + 8 * n_dims + 12
+            tensors.append((name, tuple(int(d) for d in reversed(dims)), qtype, offset))
+        align = int(fields.get("general.alignment", 32))
+        data = pos + (-pos % align)
+    return fields, [(name, shape, qtype, data + offset) for name, shape, qtype, offset in tensors]
 
 
 def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -201,39 +452,6 @@ def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 def _gguf_cache_key(path: Path) -> str:
     st = path.stat()
     return hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-
-
-def _load_gguf(path: Path, quantization: str | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
-    """Dequantize a GGUF to float32 HF-named tensors, but for the block weights kept as they ship (returned
-    apart, HF names -> GGUFWeight). Dequantizing takes seconds, so a fully dequantized file is cached as
-    safetensors (exactly the same values) and reused while the file is unchanged."""
-    import gguf
-    from safetensors.torch import load_file, save_file
-
-    from conveyor.model import gguf_weights
-
-    reader = gguf.GGUFReader(str(path))
-    keep = gguf_weights.keep_policy(reader.tensors, quantization)
-    if keep:  # the kept blocks stay in the file's mapping until packed; what is left to dequantize is small
-        return _dequantize_gguf(path, reader, keep)
-    del reader
-    cached = cache_dir() / "weights" / f"{_gguf_cache_key(path)}.safetensors"
-    cfg_file = cached.with_suffix(".json")
-    if cached.exists() and cfg_file.exists():
-        try:
-            return ModelConfig(**json.loads(cfg_file.read_text())), load_file(str(cached)), {}
-        except Exception:
-            log.warning("weight cache %s unreadable; dequantizing again", cached)
-    cfg, tensors, _ = _dequantize_gguf(path)
-    try:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_suffix(".tmp")
-        save_file(tensors, str(tmp))
-        tmp.replace(cached)
-        cfg_file.write_text(json.dumps(cfg.__dict__))
-    except OSError as e:
-        log.warning("could not cache dequantized weights in %s: %s", cached, e)
-    return cfg, tensors, {}
 
 
 GGUF_KEPT_TYPES = ("Q4_0", "Q4_1")  # map exactly onto the int4 kernel (conveyor/model/quantization.py)
@@ -249,89 +467,218 @@ def _gguf_name(name: str) -> str | None:
         return f"model.layers.{layer}.{_GGUF_NAMES[base]}.{kind}"
     if parts[0] not in _GGUF_NAMES:
         if parts[0] == "rope_freqs":
-            return None  # llama3 rope factors, recomputed from the config
+            return None  # llama3 rope factors: in the config (ModelConfig.rope_scaling), not a weight
         raise ValueError(f"GGUF tensor {name!r} is not understood")
     return f"{_GGUF_NAMES[parts[0]]}.{parts[1]}"
 
 
-def _gguf_quantized(path: Path, cfg: ModelConfig) -> dict:
-    """The GGUF's Q4_0/Q4_1 2-D weights as QuantizedWeight (HF names, q/k rows in HF's RoPE order)."""
-    import gguf
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of a GGUF file: where its bytes are and how they are laid out (rows of `shape[-1]` values,
+    each row a whole number of the type's blocks)."""
 
-    from conveyor.model.quantization import QuantizedWeight
+    path: str
+    name: str  # llama.cpp's
+    qtype: str  # GGMLQuantizationType name: F32, F16, BF16, Q8_0, Q4_0, Q4_K, ...
+    shape: tuple[int, ...]  # numpy order: (rows, cols) or (cols,)
+    offset: int  # of its first byte in the file
+    n_bytes: int
+    heads: int | None = None  # q/k: rows are in llama.cpp's RoPE order, by this many heads (`unpermute`)
 
-    reader = gguf.GGUFReader(str(path))
-    out = {}
-    for t in reader.tensors:
-        qtype = t.tensor_type.name
-        if qtype not in GGUF_KEPT_TYPES or len(t.shape) != 2:
-            continue
-        name = _gguf_name(t.name)
-        if name is None:
-            continue
-        cols, rows = (int(x) for x in t.shape)
-        qw = QuantizedWeight.from_gguf(np.asarray(t.data), qtype, rows, cols)
-        if name.endswith("self_attn.q_proj.weight"):
-            qw = qw.permute_rows(lambda a: unpermute(a, cfg.num_heads))
-        elif name.endswith("self_attn.k_proj.weight"):
-            qw = qw.permute_rows(lambda a: unpermute(a, cfg.num_kv_heads))
-        out[name] = qw
-    return out
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if len(self.shape) == 2 else 1
+
+    def raw(self, a: int = 0, b: int | None = None) -> np.ndarray:
+        """The file's bytes of rows a..b, as uint8 [b - a, bytes per row]."""
+        b = self.rows if b is None else b
+        row_bytes = self.n_bytes // self.rows
+        out = torch.empty(b - a, row_bytes, dtype=torch.uint8)
+        _pread_into(self.path, out, self.offset + a * row_bytes)
+        return out.numpy()
+
+    def convert_mapped(self, convert):
+        """`convert(view)` on a read-only uint8 [rows, bytes per row] view of this tensor in a mapping of the file,
+        then the mapping is gone: for a conversion that writes its own copy anyway (GGUF blocks repacked), the
+        bytes are read once, with no buffer between the file and the copy, and none of the file's pages stay in
+        this process once it returns (MADV_DONTNEED, then unmapped). The pages stay in the page cache."""
+        page = mmap.ALLOCATIONGRANULARITY
+        start = self.offset // page * page
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # the page tables filled in one call
+        with open(self.path, "rb") as f:
+            mm = mmap.mmap(f.fileno(), self.offset - start + self.n_bytes, flags=flags, prot=mmap.PROT_READ,
+                           offset=start)
+        try:
+            view = np.frombuffer(mm, dtype=np.uint8, count=self.n_bytes, offset=self.offset - start)
+            out = convert(view.reshape(self.rows, -1))
+            del view
+        finally:
+            if hasattr(mmap, "MADV_DONTNEED"):
+                mm.madvise(mmap.MADV_DONTNEED)
+            try:
+                mm.close()
+            except BufferError:  # a view outlived the call: its pages are dropped already, the mapping goes with it
+                pass
+        return out
 
 
-def _dequantize_gguf(path: Path, reader=None, keep: frozenset[str] = frozenset()
-                     ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
-    """(config, dequantized tensors, kept block weights): a tensor of a type in `keep` stays as its blocks
-    (gguf_weights.kept: the one per-tensor decision), every other one is dequantized."""
-    import gguf
+def keep_gguf_tensor(t: GGUFTensor, quantization: str | None, types: frozenset[str] = frozenset()):
+    """Whether this GGUF weight is served in the file's own blocks instead of dequantized (and re-quantized):
+    the kept weight, or None. The one per-tensor decision: a kernel for another block type plugs in here.
 
+    - a type in `types` (the file's `gguf_weights.keep_policy` under `quantization`; `gguf_weights.keepable`
+      per tensor): the blocks as a `GGUFWeight`, repacked for linear_gguf.cpp straight from a mapping of the
+      file, whose pages are let go at once (`GGUFTensor.convert_mapped`), so a load holds the packed weights
+      alone, never the file beside them;
+    - Q4_0 / Q4_1 2-D weights under `--quantization int4`, whose blocks of 32 map exactly onto the int4 kernel's
+      layout (`QuantizedWeight.from_gguf`).
+    Either way q/k rows are put back in HF's RoPE order."""
     from conveyor.model import gguf_weights
 
-    reader = reader or gguf.GGUFReader(str(path))
-    arch = _field(reader, "general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: "
-                         f"{', '.join(GGUF_ARCHITECTURES)}): {path}")
-    a = arch
-    heads = int(_field(reader, f"{a}.attention.head_count"))
-    kv_heads = int(_field(reader, f"{a}.attention.head_count_kv", heads))
-    hidden = int(_field(reader, f"{a}.embedding_length"))
-    tensors: dict[str, torch.Tensor] = {}
-    kept: dict = {}
-    for t in reader.tensors:
-        name = _gguf_name(t.name)
-        if name is None:
-            continue
-        n_head = heads if name.endswith("self_attn.q_proj.weight") else (
-            kv_heads if name.endswith("self_attn.k_proj.weight") else None)
-        block_weight = gguf_weights.kept(t, keep, None if n_head is None else lambda a, h=n_head: unpermute(a, h))
-        if block_weight is not None:
-            kept[name] = block_weight
-            continue
-        arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        arr = np.asarray(arr, dtype=np.float32).reshape(tuple(int(x) for x in reversed(t.shape)))
-        if n_head is not None:
-            arr = unpermute(arr, n_head)
-        tensors[name] = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
-    embed = tensors.get("model.embed_tokens.weight")
-    vocab = embed.shape[0] if embed is not None else kept["model.embed_tokens.weight"].shape[0]
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    cfg = ModelConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{a}.feed_forward_length")),
-        num_layers=int(_field(reader, f"{a}.block_count")),
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=int(_field(reader, f"{a}.attention.key_length", hidden // heads)),
-        rms_norm_eps=float(_field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(_field(reader, f"{a}.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(_field(reader, f"{a}.context_length", 2048)),
-        tie_word_embeddings="lm_head.weight" not in tensors and "lm_head.weight" not in kept,
-        eos_token_ids=[int(eos)] if eos is not None else [],
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-    )
-    return cfg, tensors, kept
+    if gguf_weights.keepable(t.qtype, t.shape, types):
+        def pack(raw: np.ndarray):
+            rows = raw if t.heads is None else unpermute(raw, t.heads)  # whole rows of blocks move
+            return gguf_weights.GGUFWeight.from_raw(t.qtype, rows, t.shape)
+
+        return t.convert_mapped(pack)
+    if quantization != "int4" or t.qtype not in GGUF_KEPT_TYPES or len(t.shape) != 2:
+        return None
+    from conveyor.model.quantization import QuantizedWeight
+
+    qw = QuantizedWeight.from_gguf(t.raw(), t.qtype, *t.shape)
+    if t.heads is not None:
+        qw = qw.permute_rows(lambda a: unpermute(a, t.heads))
+    return qw
+
+
+_GGUF_FLOAT = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def dequantize_gguf_rows(t: GGUFTensor, a: int, b: int) -> torch.Tensor:
+    """Rows a..b of a GGUF tensor [b - a, cols]: the float types as they are (F32, F16, BF16), the quantized
+    ones in fp32 through gguf-py's numpy dequantizers (single-threaded numpy: beside other busy processes it
+    dequantized SmolLM2's Q4_1 weights 2-3x faster than the same arithmetic as multi-threaded torch ops, whose
+    threads wait for each other at every op)."""
+    cols = t.shape[-1]
+    raw = t.raw(a, b)
+    n = b - a
+    if t.qtype in _GGUF_FLOAT:
+        return torch.from_numpy(raw).view(_GGUF_FLOAT[t.qtype]).reshape(n, cols)
+    import gguf
+
+    arr = gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, t.qtype))
+    return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(n, cols)
+
+
+class GGUFSource(WeightSource):
+    """A GGUF file: its metadata as a ModelConfig, its tensors under HF names, dequantized a chunk of rows at a
+    time straight into the served dtype (no fp32 copy of the model, no cache of one on disk), or, for the types
+    the file keeps as blocks (`keep_types`), repacked as they are (`kept`)."""
+
+    def __init__(self, path: Path) -> None:
+        import gguf
+
+        super().__init__()
+        fields, infos = read_gguf_header(path)
+        arch = fields.get("general.architecture")
+        if arch not in GGUF_ARCHITECTURES:
+            raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: "
+                             f"{', '.join(GGUF_ARCHITECTURES)}): {path}")
+        a = arch
+        heads = int(fields[f"{a}.attention.head_count"])
+        kv_heads = int(fields.get(f"{a}.attention.head_count_kv", heads))
+        hidden = int(fields[f"{a}.embedding_length"])
+        self.tensors: dict[str, GGUFTensor] = {}
+        self._keep_types: dict[str | None, frozenset[str]] = {}
+        rope_factors = None
+        for gname, shape, type_id, offset in infos:
+            qtype = gguf.GGMLQuantizationType(type_id)
+            block, size = gguf.GGML_QUANT_SIZES[qtype]
+            name = _gguf_name(gname)
+            heads_of = (heads if name and name.endswith("self_attn.q_proj.weight")
+                        else kv_heads if name and name.endswith("self_attn.k_proj.weight") else None)
+            n_elems = 1
+            for d in shape:
+                n_elems *= d
+            t = GGUFTensor(str(path), gname, qtype.name, shape, offset, n_elems // block * size, heads_of)
+            if name is None:
+                if gname == "rope_freqs.weight":
+                    rope_factors = dequantize_gguf_rows(t, 0, 1).float().reshape(-1).tolist()
+                continue
+            self.tensors[name] = t
+        if "model.embed_tokens.weight" not in self.tensors:
+            raise ValueError(f"GGUF file {path} has no token_embd.weight")
+        eos = fields.get("tokenizer.ggml.eos_token_id")
+        self.config = ModelConfig(
+            vocab_size=self.tensors["model.embed_tokens.weight"].shape[0],
+            hidden_size=hidden,
+            intermediate_size=int(fields[f"{a}.feed_forward_length"]),
+            num_layers=int(fields[f"{a}.block_count"]),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=int(fields.get(f"{a}.attention.key_length", hidden // heads)),
+            rms_norm_eps=float(fields.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(fields.get(f"{a}.rope.freq_base", 10000.0)),
+            # llama3's RoPE scaling reaches a GGUF as per-frequency factors (llama.cpp divides each frequency by
+            # its factor), not as the config's parameters
+            rope_scaling={"rope_type": "freq_factors", "factors": rope_factors} if rope_factors else None,
+            max_position_embeddings=int(fields.get(f"{a}.context_length", 2048)),
+            tie_word_embeddings="lm_head.weight" not in self.tensors,
+            eos_token_ids=[int(eos)] if eos is not None else [],
+            bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
+        )
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.tensors
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.tensors[name].shape
+
+    def read(self, name, dtype=None, out=None):
+        t = self.tensors[name]
+        dtype = dtype or (out.dtype if out is not None else torch.float32)
+        if out is None:
+            out = torch.empty(t.shape, dtype=dtype)
+        elif tuple(out.shape) != t.shape or not out.is_contiguous():
+            raise ValueError(f"{name}: shape {t.shape} read into a {tuple(out.shape)} buffer")
+        flat = out.view(t.rows, -1)
+        if t.heads is not None:  # q/k: the permutation mixes the rows of a head; these are small, read whole
+            w = dequantize_gguf_rows(t, 0, t.rows)
+            flat.copy_(w.reshape(t.heads, t.rows // t.heads // 2, 2, -1).transpose(1, 2).reshape(t.rows, -1))
+        elif _GGUF_FLOAT.get(t.qtype) == out.dtype:
+            _pread_into(t.path, out, t.offset)
+        else:
+            for a, b in _row_chunks(t.rows, 4 * t.shape[-1]):
+                flat[a:b].copy_(dequantize_gguf_rows(t, a, b))
+        self.bytes_read += t.n_bytes
+        return out
+
+    def keep_types(self, quantization: str | None) -> frozenset[str]:
+        """The GGUF types this file keeps as blocks under `quantization` (`gguf_weights.keep_policy`: decided
+        per file, from what most of its layer weights are)."""
+        from conveyor.model import gguf_weights
+
+        if quantization not in self._keep_types:
+            self._keep_types[quantization] = gguf_weights.keep_policy(self.tensors.values(), quantization)
+        return self._keep_types[quantization]
+
+    def kept_blocks(self, quantization):
+        from conveyor.model import gguf_weights
+
+        types = self.keep_types(quantization)
+        return {n: t.n_bytes for n, t in self.tensors.items() if gguf_weights.keepable(t.qtype, t.shape, types)}
+
+    def kept(self, name, quantization):
+        t = self.tensors.get(name)
+        if t is None:
+            return None
+        kept = keep_gguf_tensor(t, quantization, self.keep_types(quantization))
+        if kept is not None:
+            self.bytes_read += t.n_bytes
+        return kept
 
 
 def _gguf_tokenizer(path: Path):

@@ -104,8 +104,9 @@ def quantize_int8(w: torch.Tensor, scale_dtype: torch.dtype = torch.float32) -> 
     """Symmetric, one scale per output channel. The scale is rounded to the kernel's dtype first and q
     chosen for the rounded scale, so the weight the kernel sees is the one `dequantize()` describes."""
     w = w.float()
-    scale = _round_to((w.abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-12), scale_dtype)
-    q = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
+    lo, hi = torch.aminmax(w, dim=1, keepdim=True)  # max |w| = max(-min, max), in one pass
+    scale = _round_to((torch.maximum(-lo, hi) / 127).clamp(min=1e-12), scale_dtype)
+    q = (w / scale).round_().clamp_(-127, 127).to(torch.int8)  # in place after the first: fewer passes
     return QuantizedWeight(8, q, scale, None, w.shape[1])
 
 
@@ -113,20 +114,40 @@ def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP, scale_dtype: torch.d
                   ) -> QuantizedWeight:
     """Asymmetric per group of `group` inputs (as GGUF's Q4_1): 16 levels from the group's min to max."""
     n, k = w.shape
-    g = w.float().reshape(n, k // group, group)
-    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    g = w.to(torch.float32, copy=True).reshape(n, k // group, group)  # a copy: rewritten in place below
+    lo, hi = torch.aminmax(g, dim=-1)
     scale = _round_to(((hi - lo) / 15).clamp(min=1e-12), scale_dtype)
     zero = _round_to(lo + 8 * scale, scale_dtype)  # w = (q - 8) * scale + zero, so q = 0 gives lo
-    q = torch.round((g - zero[..., None]) / scale[..., None] + 8).clamp(0, 15).to(torch.uint8)
+    q = g.sub_(zero[..., None]).div_(scale[..., None]).add_(8).round_().clamp_(0, 15).to(torch.uint8)
     return QuantizedWeight(4, q.reshape(n, k), scale, zero, group)
 
 
+QUANT_CHUNK_BYTES = 16 * 2**20  # fp32 bytes of weight quantized at a time
+
+
 def quantize(w: torch.Tensor, method: str, scale_dtype: torch.dtype) -> QuantizedWeight:
+    """`w` quantized a chunk of rows at a time (every row on its own: the same integers as in one go), so the
+    fp32 temporaries stay at a few times 16 MB whatever the weight (an 8B model's LM head is 2 GB in fp32)."""
     if method == "int8":
-        return quantize_int8(w, scale_dtype)
-    if method == "int4":
-        return quantize_int4(w, INT4_GROUP, scale_dtype)
-    raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {method!r}")
+        fn = lambda rows: quantize_int8(rows, scale_dtype)  # noqa: E731
+    elif method == "int4":
+        fn = lambda rows: quantize_int4(rows, INT4_GROUP, scale_dtype)  # noqa: E731
+    else:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {method!r}")
+    n, k = w.shape
+    step = max(16, QUANT_CHUNK_BYTES // (4 * k))
+    if n <= step:
+        return fn(w)
+    first = fn(w[:step])
+    q = torch.empty((n, k), dtype=first.q.dtype)
+    scale = torch.empty((n, first.scale.shape[1]), dtype=first.scale.dtype)
+    zero = None if first.zero is None else torch.empty_like(scale)
+    for a in range(0, n, step):
+        part = first if a == 0 else fn(w[a:a + step])
+        q[a:a + step], scale[a:a + step] = part.q, part.scale
+        if zero is not None:
+            zero[a:a + step] = part.zero
+    return QuantizedWeight(first.bits, q, scale, zero, first.group)
 
 
 def _ours(op: str, env: str, dtype: torch.dtype) -> bool:
@@ -197,15 +218,40 @@ class QuantizedLinear(nn.Module):
             self.qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qw.q.to(torch.int32).contiguous(), 1)
             # [K // group, N, 2]: (scale, zero) per group and output channel
             self.scales = torch.stack([qw.scale, qw.zero], dim=-1).transpose(0, 1).to(dtype).contiguous()
-        self.reference_weight = qw  # kept for tests and the dense copy; int tensors are small
+        # torch's int4 packing is opaque: its layers keep the integers (a fallback for CPUs without AVX2); the
+        # others derive them from the packed weight when asked (`reference_weight`), rather than holding a second
+        # copy of the model (an 8B model's unpacked int4 is 7 GB beside its 3.5 GB packed)
+        self._reference = qw if (qw.bits == 4 and not self.ours) else None
         self.dense: PackedLinear | nn.Linear | None = None
         self.dense_above: int | None = None  # steps with more rows than this run `dense`
 
+    @property
+    def reference_weight(self) -> QuantizedWeight:
+        """The integers and scales this layer computes with, unpacked (tests, the dense copy)."""
+        if self._reference is not None:
+            return self._reference
+        n, k = self.out_features, self.in_features
+        if self.bits == 8:
+            q = self.qweight.transpose(1, 2).reshape(n, k) if self.ours else self.qweight
+            return QuantizedWeight(8, q, self.scales.float().reshape(n, 1), None, k)
+        g = k // self.group  # pack_int4's layout, undone
+        q = torch.stack([self.qweight & 0x0F, self.qweight >> 4], dim=-1).permute(0, 2, 1, 3).reshape(n, k)
+        scale = self.scales[:, :, 0, :].permute(0, 2, 1).reshape(n, g)
+        zero = self.scales[:, :, 1, :].permute(0, 2, 1).reshape(n, g) + 8 * scale
+        return QuantizedWeight(4, q, scale, zero, self.group)
+
     def make_dense(self) -> None:
         """Build the dense copy (the dequantized weight in the model's dtype) for large steps."""
-        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
+        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        ref = self.reference_weight
+        w = torch.empty(self.out_features, self.in_features, dtype=self.dtype)
+        step = max(16, QUANT_CHUNK_BYTES // (4 * self.in_features))  # fp32 temporaries of one chunk of rows
+        for a in range(0, self.out_features, step):
+            part = QuantizedWeight(ref.bits, ref.q[a:a + step], ref.scale[a:a + step],
+                                   None if ref.zero is None else ref.zero[a:a + step], ref.group)
+            w[a:a + step] = part.dequantize()
         with torch.no_grad():
-            lin.weight = nn.Parameter(self.reference_weight.dequantize().to(self.dtype), requires_grad=False)
+            lin.weight = nn.Parameter(w, requires_grad=False)
             if self.bias is not None:
                 lin.bias = nn.Parameter(self.bias, requires_grad=False)
         self.dense = PackedLinear(lin) if packing_available(torch.device("cpu"), self.dtype) else lin
@@ -248,29 +294,50 @@ def quantization_available(device: torch.device, dtype: torch.dtype) -> str | No
     return None
 
 
+def keeps_checkpoint_weight(name: str, method: str | None) -> bool:
+    """Whether module `name` may serve a checkpoint's own quantized weight under `method` (not the LM head
+    under int4: it is int8, see `quantize_weight`)."""
+    return bool(method) and not (method == "int4" and name == "lm_head")
+
+
+def usable_kept(name: str, kept: QuantizedWeight | None, method: str, n_out: int, k_in: int) -> QuantizedWeight | None:
+    """`kept` (a checkpoint's own quantized weight for module `name`) if this layer can serve it as it is."""
+    bits = 8 if method == "int8" else 4
+    if kept is None or not keeps_checkpoint_weight(name, method):
+        return None
+    if kept.bits == bits and kept.shape == (n_out, k_in) and (bits == 8 or int4_fits(n_out, k_in, kept.group)):
+        return kept
+    return None
+
+
+def quantize_weight(name: str, w: torch.Tensor, method: str, dtype: torch.dtype) -> QuantizedWeight:
+    """Module `name`'s float weight quantized as `method` asks, with the exceptions: under int4 the LM head is
+    int8 (as llama.cpp's Q4_K_M keeps its output at 6 bits: on SmolLM2 an int4 head costs 5.1% perplexity, an
+    int8 one nothing measurable, for ~1 ms a token), and so is a shape the int4 kernel cannot take."""
+    n_out, k_in = w.shape
+    if method == "int4" and name == "lm_head":
+        return quantize(w, "int8", dtype)
+    if method == "int4" and not int4_fits(n_out, k_in):
+        log.info("%s: %dx%d does not fit the int4 kernel; int8 instead", name, n_out, k_in)
+        return quantize(w, "int8", dtype)
+    return quantize(w, method, dtype)
+
+
 def quantize_model(model: nn.Module, method: str, dtype: torch.dtype,
                    prequantized: dict[str, QuantizedWeight] | None = None) -> dict[str, int]:
     """Replace every nn.Linear of `model` by a QuantizedLinear. `prequantized` maps a module's name
     (e.g. `layers.0.self_attn.qkv_proj`) to weights already quantized (from a GGUF), used as they are.
-    Returns counts: {"quantized": n, "from_checkpoint": m}."""
+    Returns counts: {"quantized": n, "from_checkpoint": m}. (The runner's loader makes the same decisions
+    layer by layer as it reads the checkpoint: `usable_kept`, `quantize_weight`.)"""
     counts = {"quantized": 0, "from_checkpoint": 0}
     prequantized = prequantized or {}
-    bits = 8 if method == "int8" else 4
     for name, lin in [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]:
         n_out, k_in = lin.weight.shape
-        qw = prequantized.get(name)
-        if bits == 4 and name == "lm_head":
-            # the LM head stays int8 under int4 (as llama.cpp's Q4_K_M keeps its output at 6 bits): on
-            # SmolLM2 an int4 head costs 5.1% perplexity, an int8 one nothing measurable, for ~1 ms a token
-            qw = quantize_int8(lin.weight.detach(), dtype)
-        elif (qw is not None and qw.bits == bits and qw.shape == (n_out, k_in)
-              and (bits == 8 or int4_fits(n_out, k_in, qw.group))):
+        qw = usable_kept(name, prequantized.get(name), method, n_out, k_in)
+        if qw is not None:
             counts["from_checkpoint"] += 1
-        elif bits == 4 and not int4_fits(n_out, k_in):
-            log.info("%s: %dx%d does not fit the int4 kernel; int8 instead", name, n_out, k_in)
-            qw = quantize_int8(lin.weight.detach(), dtype)
         else:
-            qw = quantize(lin.weight.detach(), method, dtype)
+            qw = quantize_weight(name, lin.weight.detach(), method, dtype)
         counts["quantized"] += 1
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -278,11 +345,23 @@ def quantize_model(model: nn.Module, method: str, dtype: torch.dtype,
     return counts
 
 
-def tune_dense_threshold(model: nn.Module, max_rows: int) -> int | None:
+DENSE_MEASURE_BYTES = 256 * 2**20  # dense copies built to time: layers enough to be cold in any CPU cache
+
+
+def dense_copy_bytes(m: QuantizedLinear) -> int:
+    return m.out_features * m.in_features * torch.empty((), dtype=m.dtype).element_size()
+
+
+def tune_dense_threshold(model: nn.Module, max_rows: int, memory_budget: int | None = None) -> int | None:
     """Measure, in model order (so weights come cold from memory as in a real step), the quantized
     kernels against dense oneDNN GEMMs of the dequantized weights for growing row counts; give every
     QuantizedLinear a dense copy used above the largest row count at which the quantized kernels still
     win. Returns that threshold, or None where the quantized kernels win up to `max_rows` (no copies).
+
+    `memory_budget`: the bytes the dense copies may take. Where all of them would take more, there are none
+    and nothing is measured: an int4 8B model's dense bf16 copies are 14 GB beside its ~5 GB of int4, the very
+    memory quantizing was meant to save. The measurement builds copies of the first layers only (at least
+    `DENSE_MEASURE_BYTES`, so that they come cold from memory as in a real step), then of the rest if they win.
 
     `CONVEYOR_QUANT_DENSE_ABOVE=N` skips the measurement and uses N (`none`: never a dense copy: every
     step on the quantized kernels, outputs batch-invariant)."""
@@ -290,18 +369,28 @@ def tune_dense_threshold(model: nn.Module, max_rows: int) -> int | None:
     if not layers:
         return None
     forced = os.environ.get("CONVEYOR_QUANT_DENSE_ABOVE")
+    total = sum(dense_copy_bytes(m) for m in layers)
     if forced is not None:
         threshold = None if forced.lower() == "none" else int(forced)
+    elif memory_budget is not None and total > memory_budget:
+        log.info("dense copies for big steps would take %.2f GiB, more than the %.2f GiB they may have here: "
+                 "quantized kernels for every step", total / 2**30, memory_budget / 2**30)
+        threshold = None
     else:
+        timed_layers, size = [], 0
         for m in layers:
+            if size >= DENSE_MEASURE_BYTES:
+                break
             m.make_dense()
+            timed_layers.append(m)
+            size += dense_copy_bytes(m)
         inputs: dict[tuple[int, int], torch.Tensor] = {}
 
         def timed(fn, rows: int) -> float:
             best = float("inf")
             for _ in range(3):
                 t = time.perf_counter()
-                for m in layers:
+                for m in timed_layers:
                     key = (rows, m.in_features)
                     if key not in inputs:
                         inputs[key] = torch.randn(rows, m.in_features).to(m.dtype)
@@ -317,7 +406,8 @@ def tune_dense_threshold(model: nn.Module, max_rows: int) -> int | None:
                     break
                 tq = timed(lambda m, x: m.quantized_mm(x), rows)
                 td = timed(lambda m, x: m.dense(x), rows)
-                log.info("quantized vs dense linears at %d rows: %.2f vs %.2f ms", rows, tq * 1e3, td * 1e3)
+                log.info("quantized vs dense linears at %d rows (%d layers): %.2f vs %.2f ms", rows,
+                         len(timed_layers), tq * 1e3, td * 1e3)
                 if tq >= td:
                     break
                 threshold = rows

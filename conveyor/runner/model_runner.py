@@ -15,36 +15,53 @@ import logging
 import mmap
 import os
 import sys
+import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import torch
+from torch import nn
 
 from conveyor import startup
 from conveyor.config import DTYPES, EngineConfig
 from conveyor.kernels.variants import cpu_info
 from conveyor.model.attention import KV_SCALE_DTYPE, build_metadata, cache_shapes, choose_backend, scale_shape
-from conveyor.model.gguf_weights import GGUFLinear, GGUFWeight
+from conveyor.model.gguf_weights import GGUFEmbedding, GGUFLinear
 from conveyor.model.llama import LlamaModel, ModelConfig, rope_inv_freq
-from conveyor.model.packed_linear import PackedLinear, available_kernels, pack_linears, packing_available
+from conveyor.model.loader import TensorDictSource, WeightSource
+from conveyor.model.packed_linear import PackedLinear, available_kernels, packing_available
 from conveyor.model.quantization import (
     KERNEL_DTYPES,
     QuantizedLinear,
+    QuantizedWeight,
+    dense_copy_bytes,
     dense_rows_note,
+    keeps_checkpoint_weight,
     quantization_available,
-    quantize_model,
+    quantize_weight,
     tune_dense_threshold,
+    usable_kept,
 )
 from conveyor.pooling import pool_step
 from conveyor.request import ScheduledItem
+from conveyor.runner.cores import CoreGovernor, Usable, engine_pids
 from conveyor.runner.grammar_mask import GrammarMask
+from conveyor.runner.memory import (
+    DENSE_COPY_SHARE,
+    MIN_DEFAULT_CONTEXT,
+    available_ram,
+    check_fits,
+    default_kv_size,
+    estimate_weight_bytes,
+)
 from conveyor.runner.sampler import SampleResult, sample
 
 log = logging.getLogger("conveyor.runner")
 
+KV_POPULATE_SYNC_BYTES = 256 << 20  # of the pool faulted in before the engine serves (populate_kv)
 _DTYPES = {name: getattr(torch, name) for name in DTYPES if name != "auto"}
-CPU_DEFAULT_KV_CAP_GIB = 4.0
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -57,15 +74,22 @@ def cpu_has_fast_bf16() -> bool:
     return cpu_info().has_fast_bf16 or "avx2" in available_kernels()
 
 
-def set_cpu_threads(threads: int | None) -> None:
-    """One compute thread per physical core: a hyperthread sibling shares the core's vector units and
-    only adds contention. An explicit `threads` wins. The HTTP server and detokenization run in other
-    threads and take a core's time only between steps."""
-    if threads is None:
-        physical = psutil.cpu_count(logical=False) or torch.get_num_threads()
-        threads = min(torch.get_num_threads(), physical)
-    if threads != torch.get_num_threads():
-        torch.set_num_threads(threads)
+def cpu_threads(threads: int | None) -> CoreGovernor | None:
+    """Set the compute threads: an explicit `threads` as given (None returned), else one per usable physical core
+    that other processes are not keeping busy, kept up to date by the returned `CoreGovernor` (runner/cores.py
+    says why: a step waits for its slowest thread at every operator). The HTTP server and detokenization run in
+    other threads and take a core's time only between steps."""
+    if threads is not None:
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+        return None
+    usable = Usable.now()
+    if usable.threads != torch.get_num_threads():
+        torch.set_num_threads(usable.threads)
+    # in the engine process (a child of the HTTP server), the server's CPU time is this engine's work too
+    governor = CoreGovernor(torch.set_num_threads, torch.get_num_threads, own_pids=engine_pids())
+    governor.probe()
+    return governor
 
 
 def resolve_device(device: str) -> torch.device:
@@ -85,51 +109,66 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], config: EngineConfig,
-                 quantized: dict | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, tensors: Mapping[str, torch.Tensor], config: EngineConfig) -> None:
+        """`tensors`: the checkpoint's HF-named weights, a `WeightSource` (read tensor by tensor as each layer is
+        built) or any mapping of tensors in memory."""
         self.model_config = cfg
         self.device = resolve_device(config.device)
-        if self.device.type == "cpu":
-            set_cpu_threads(config.threads)
+        self.cores = cpu_threads(config.threads) if self.device.type == "cpu" else None
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
-        with torch.device("meta"):
-            model = LlamaModel(cfg)
-        # a GGUF's block weights kept as shipped (model/gguf_weights.py); the int4 path's QuantizedWeights apart
-        gguf = {k: v for k, v in (quantized or {}).items() if isinstance(v, GGUFWeight)}
-        quantized = {k: v for k, v in (quantized or {}).items() if not isinstance(v, GGUFWeight)}
+        # KV storage: the model's dtype, or int8 with an fp16 scale per token and head (attention.py)
+        self.kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else self.dtype
+        # int8 / int4: quantized by us (or a GGUF's Q4_0/Q4_1 kept for int4); gguf / none / unset: how a GGUF's
+        # blocks are served (kept as blocks, model/gguf_weights.py, or dequantized), no quantization of ours
         method = config.quantization if config.quantization in ("int8", "int4") else None
-        prequantized = model.fuse_quantized(quantized) if quantized and method else {}
-        self.gguf_modules = 0
-        if gguf and (self.device.type != "cpu" or resolve_dtype(config.dtype, self.device) not in KERNEL_DTYPES):
-            log.warning("GGUF block weights run on CPU kernels only: dequantizing them for %s", self.device)
-            tensors.update({k: v.dequantize() for k, v in gguf.items()})
-        elif gguf:
-            self.gguf_modules = model.install_gguf(gguf, tensors, resolve_dtype(config.dtype, self.device))
-            kinds = sorted({t for m in model.modules() if isinstance(m, GGUFLinear) for t in m.qtypes})
-            log.info("GGUF block weights served as shipped: %d modules (%s)", self.gguf_modules, ", ".join(kinds))
-        model.load_hf_state_dict(tensors)
-        model.inv_freq = rope_inv_freq(cfg).float()
-        self.model = model.to(device=self.device, dtype=self.dtype).eval()
-        self.model.inv_freq = self.model.inv_freq.float()
-        self.model.build_rope_table()
-        # "kernel": compiled attention + fused RMSNorm/RoPE/SiLU (CPU); "torch": the reference everywhere
-        self.attention_backend = choose_backend(config.attention_backend, self.device, self.dtype, cfg.num_heads,
-                                                cfg.num_kv_heads, cfg.head_dim)
-        self.model.use_fused_ops(self.attention_backend == "kernel")
         self.quantization = method
-        self.weight_dtype = method or ("gguf" if self.gguf_modules else str(self.dtype).removeprefix("torch."))
         if method:
             why = quantization_available(self.device, self.dtype)
             if why is not None:
                 raise ValueError(f"--quantization {method} is not available: {why}")
-            counts = quantize_model(self.model, method, self.dtype, prequantized)
-            threshold = tune_dense_threshold(self.model, config.max_num_batched_tokens)
-            log.info("weights: %s (%d linear layers, %d kept as the checkpoint ships them); %s",
-                     method, counts["quantized"], counts["from_checkpoint"], dense_rows_note(threshold))
-        self.packed_linears = 0
-        if config.packed_linear and packing_available(self.device, self.dtype):
-            self.packed_linears = pack_linears(self.model)
+        source = tensors if isinstance(tensors, WeightSource) else TensorDictSource(dict(tensors))
+        blocks = source.kept_blocks(config.quantization)  # a GGUF's weights served as its blocks (headers only)
+        if blocks and (self.device.type != "cpu" or self.dtype not in KERNEL_DTYPES):
+            log.warning("GGUF block weights run on CPU kernels only: dequantizing them for %s/%s", self.device,
+                        self.dtype)
+            blocks = {}
+        self.weight_dtype = method or ("gguf" if blocks else str(self.dtype).removeprefix("torch."))
+        pack = config.packed_linear and packing_available(self.device, self.dtype)
+        if self.device.type == "cpu":
+            self._check_memory(config, pack, blocks)
+        with torch.device("meta"):
+            model = LlamaModel(cfg)
+        t0 = time.perf_counter()
+        counts = self._load_weights(model, source, config, pack, blocks)
+        if blocks:
+            kinds = sorted({t for m in model.modules() if isinstance(m, GGUFLinear) for t in m.qtypes})
+            log.info("GGUF block weights served as shipped: %d modules (%s)%s", counts["gguf"],
+                     ", ".join(kinds), "" if counts["gguf"] else "; none whole, all dequantized")
+            if not counts["gguf"]:
+                self.weight_dtype = str(self.dtype).removeprefix("torch.")
+        model.inv_freq = rope_inv_freq(cfg).float().to(self.device)
+        self.model = model.eval()
+        self.model.build_rope_table()
+        load_s = time.perf_counter() - t0
+        # "kernel": compiled attention + fused RMSNorm/RoPE/SiLU (CPU); "torch": the reference everywhere
+        self.attention_backend = choose_backend(config.attention_backend, self.device, self.dtype, cfg.num_heads,
+                                                cfg.num_kv_heads, cfg.head_dim)
+        self.model.use_fused_ops(self.attention_backend == "kernel")
+        self.load_seconds = load_s
+        log.info("weights: %.2f GiB read in %.1f s (%.0f MB/s, converted as read), %.2f GiB held as %s",
+                 source.bytes_read / 2**30, load_s, source.bytes_read / max(load_s, 1e-9) / 1e6,
+                 self.weight_bytes / 2**30, self.weight_dtype)
+        if method:
+            budget = int(DENSE_COPY_SHARE * available_ram()) if self.device.type == "cpu" else None
+            threshold = tune_dense_threshold(self.model, config.max_num_batched_tokens, budget)
+            _trim_heap()  # the dense copies' fp32 temporaries and the timing's inputs
+            dense = sum(dense_copy_bytes(m) for m in self.model.modules()
+                        if isinstance(m, QuantizedLinear) and m.dense is not None)
+            log.info("weights: %s (%d linear layers, %d kept as the checkpoint ships them); %s%s",
+                     method, counts["quantized"], counts["from_checkpoint"], dense_rows_note(threshold),
+                     f" (dense copies of {dense / 2**30:.2f} GiB)" if dense else "")
+        self.packed_linears = counts["packed"]
         # every op on the compiled CPU path gives a token a result that depends only on its own request
         # (tests/engine/test_batch_invariance.py); the torch reference path (CUDA, no compiler) does not
         linears = [m for m in self.model.modules() if isinstance(m, (PackedLinear, QuantizedLinear, GGUFLinear))]
@@ -154,16 +193,153 @@ class ModelRunner:
                  self.attention_backend, self.packed_linears, "+".join(kinds) or "-",
                  "in one compiled call" if fused else "op by op", torch.get_num_threads(),
                  "yes" if self.batch_invariant else "no")
-        # KV storage: the model's dtype, or int8 with an fp16 scale per token and head (attention.py)
-        self.kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else self.dtype
         self._pool_buffers: list[mmap.mmap] = []
+        self._populate_job: tuple[threading.Thread, threading.Event] | None = None
         self.allocate_kv_cache(config)
+
+    def _load_weights(self, model: LlamaModel, source: WeightSource, config: EngineConfig, pack: bool,
+                      blocks: Mapping[str, int]) -> dict[str, int]:
+        """Build every layer of `model` from `source`, one at a time, straight into its served form: each tensor
+        is read into the buffer it is served from (fused weights: each part into its rows of the fused buffer),
+        then packed for our kernels or quantized a chunk of rows at a time, and every source buffer is dropped
+        before the next layer is read; a module all of whose weights are in `blocks` (a GGUF's kept blocks) is
+        a GGUFLinear of the file's blocks, each repacked straight from the file (`loader.keep_gguf_tensor`), and
+        an embedding in `blocks` a GGUFEmbedding whose blocks a tied LM head shares. Peak memory: the served
+        weights plus about twice the largest layer (the LM head, read first, while nothing else is held).
+        Returns counts of packed / quantized / kept-for-int4 / GGUF-block layers."""
+        dtype, device, method = self.dtype, self.device, self.quantization
+        counts = {"packed": 0, "quantized": 0, "from_checkpoint": 0, "gguf": 0}
+
+        def read(name: str) -> torch.Tensor:
+            return source.read(name, dtype).to(device)
+
+        def read_fused(parts: list[str]) -> torch.Tensor:
+            shapes = [source.shape(p) for p in parts]
+            if len({s[1:] for s in shapes}) != 1:
+                raise ValueError(f"checkpoint does not fit the model: {parts} have shapes {shapes}")
+            out = torch.empty(sum(s[0] for s in shapes), *shapes[0][1:], dtype=dtype)
+            row = 0
+            for p, s in zip(parts, shapes):
+                source.read(p, dtype, out=out[row:row + s[0]])
+                row += s[0]
+            return out.to(device)
+
+        def kept(module: str, parts: list[str], n: int, k: int) -> QuantizedWeight | None:
+            if not keeps_checkpoint_weight(module, method):
+                return None
+            ws = [source.kept(p, method) for p in parts]
+            if any(w is None for w in ws):
+                return None
+            try:
+                qw = ws[0] if len(ws) == 1 else QuantizedWeight.cat(ws)
+            except ValueError:  # parts quantized differently: quantize the fused float weight
+                return None
+            return usable_kept(module, qw, method, n, k)
+
+        def gguf_blocks(parts: list[str]) -> GGUFLinear | None:
+            if not all(p in blocks for p in parts):
+                return None  # a module with any part dequantized is dequantized whole (one dtype per matmul)
+            counts["gguf"] += 1
+            return GGUFLinear([source.kept(p, config.quantization) for p in parts], dtype)
+
+        def make_embedding(name: str) -> nn.Module | None:
+            table = gguf_blocks([name])
+            return None if table is None else GGUFEmbedding(table, dtype)
+
+        def make_linear(module: str, parts: list[str], bias_parts: list[str] | None,
+                        weight: torch.Tensor | None) -> nn.Module:
+            if weight is None and bias_parts is None:
+                gguf = gguf_blocks(parts)
+                if gguf is not None:
+                    return gguf
+            bias = None if bias_parts is None else read_fused(bias_parts)
+            n, k = (weight.shape if weight is not None else
+                    (sum(source.shape(p)[0] for p in parts), source.shape(parts[0])[1]))
+            if method:
+                qw = kept(module, parts, n, k) if weight is None else None
+                if qw is not None:
+                    counts["from_checkpoint"] += 1
+                else:
+                    w = weight if weight is not None else read_fused(parts)
+                    qw = quantize_weight(module, w.detach(), method, dtype)
+                    del w
+                counts["quantized"] += 1
+                return QuantizedLinear(qw, bias, dtype)
+            w = weight if weight is not None else read_fused(parts)
+            lin = nn.Linear(k, n, bias=bias is not None, device="meta")
+            lin.weight = w if isinstance(w, nn.Parameter) else nn.Parameter(w, requires_grad=False)
+            if bias is not None:
+                lin.bias = nn.Parameter(bias, requires_grad=False)
+            if not pack:
+                return lin
+            counts["packed"] += 1
+            return PackedLinear(lin)
+
+        def make_linear_and_trim(*args) -> nn.Module:
+            module = make_linear(*args)
+            _trim_heap()  # this layer's source buffers are free now
+            return module
+
+        def make_embedding_and_trim(name: str) -> nn.Module | None:
+            module = make_embedding(name)
+            _trim_heap()
+            return module
+
+        model.load_weights(source.names(), read, make_linear_and_trim, make_embedding_and_trim)
+        return counts
+
+    def _check_memory(self, config: EngineConfig, pack: bool, kept_blocks: Mapping[str, int]) -> None:
+        """Refuse a start that cannot fit before reading any weight (runner/memory.py); `kept_blocks`: a GGUF's
+        weights served as their blocks, counted at their size."""
+        cfg = self.model_config
+        if config.max_model_len and (config.num_kv_blocks is not None or config.kv_cache_memory is not None):
+            blocks = (config.num_kv_blocks if config.num_kv_blocks is not None
+                      else int(config.kv_cache_memory * 2**30 // self.block_bytes(config.block_size)))
+            if blocks * config.block_size < config.max_model_len:  # as LLMEngine says it, but before loading
+                raise ValueError(f"max_model_len ({config.max_model_len}) is larger than the KV cache can hold "
+                                 f"({blocks * config.block_size} tokens); raise kv_cache_memory")
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        weights = estimate_weight_bytes(cfg, elem, self.quantization, pack, kept_blocks)
+        int4 = estimate_weight_bytes(cfg, elem, "int4", pack) if self.quantization != "int4" else None
+        tokens = self.min_kv_tokens(config)
+        kv, what = tokens * self.block_bytes(1), f"one {tokens}-token sequence's KV cache"
+        if config.kv_cache_populate and config.num_kv_blocks is not None:
+            kv, what = config.num_kv_blocks * self.block_bytes(config.block_size), "the KV pool asked for"
+        elif config.kv_cache_populate and config.kv_cache_memory is not None:
+            kv, what = int(config.kv_cache_memory * 2**30), "the KV pool asked for"
+        check_fits(config.model, weights, self.weight_dtype, kv, what, self.activation_headroom(config),
+                   available_ram(), int4)
+
+    def min_kv_tokens(self, config: EngineConfig) -> int:
+        """The fewest tokens a default pool must hold: one sequence of `max_model_len`, or without one of
+        `MIN_DEFAULT_CONTEXT` tokens (the model's own context if shorter), whole blocks."""
+        ctx = config.max_model_len or min(self.model_config.max_position_embeddings, MIN_DEFAULT_CONTEXT)
+        return -(-ctx // config.block_size) * config.block_size
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of the model's parameters and buffers (packed or quantized as they are now)."""
-        tensors = [*self.model.parameters(), *self.model.buffers()]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        """Bytes of the weights a step reads: parameters, buffers, and the packed or quantized weights that
+        packed layers keep as plain attributes; not the dense copies of quantized layers (only large steps
+        read them) nor the RoPE tables."""
+        seen: set[int] = set()
+
+        def held(m: nn.Module) -> int:
+            total = 0
+            attrs = [v for k, v in vars(m).items() if isinstance(v, torch.Tensor) and k not in ("rope_cos", "rope_sin")]
+            for t in [*m._parameters.values(), *m._buffers.values(), *attrs]:
+                if t is None or t.device.type == "meta":
+                    continue
+                try:
+                    key, size = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+                except NotImplementedError:  # oneDNN's packed weights have no storage to ask
+                    key, size = id(t), t.numel() * t.element_size()
+                if key not in seen:
+                    seen.add(key)
+                    total += size
+            return total + sum(held(c) for name, c in m.named_children()
+                               if not (isinstance(m, QuantizedLinear) and name == "dense"))
+
+        return held(self.model)
 
     def kv_pool_key(self, config: EngineConfig) -> tuple:
         """What the pool's size and layout depend on: the lab compares it to decide whether a new
@@ -178,6 +354,7 @@ class ModelRunner:
         cfg = self.model_config
         # drop the old pool first (its memory is not "held" when a budget is computed); if sizing the
         # new one fails there is no pool, and pool_key None makes the next reset build one
+        self._stop_populating()  # a background fault-in of the old pool holds its tensors
         self.kv_caches = []
         self._pool_buffers = []  # unmapped once the old tensors are gone
         self.pool_key = None
@@ -198,9 +375,11 @@ class ModelRunner:
         if config.kv_cache_populate:
             startup.phase(startup.FILLING_KV)
             self.populate_kv()
-        log.info("KV cache: %s, %d blocks of %d tokens = %d tokens (%.2f GiB)", self.kv_dtype_name,
-                 self.num_blocks, self.block_size, self.num_blocks * self.block_size,
-                 self.num_blocks * self.bytes_per_block / 2**30)
+        tokens = self.num_blocks * self.block_size
+        full = config.max_model_len or min(cfg.max_position_embeddings, tokens)
+        log.info("KV cache: %s, %d blocks of %d tokens = %d tokens (%.2f GiB): %d full-length sequences of %d tokens",
+                 self.kv_dtype_name, self.num_blocks, self.block_size, tokens,
+                 self.num_blocks * self.bytes_per_block / 2**30, tokens // full, full)
 
     @property
     def kv_dtype_name(self) -> str:
@@ -228,36 +407,57 @@ class ModelRunner:
         return torch.frombuffer(buf, dtype=torch.uint8, count=numel * elem).view(dtype).view(shape)
 
     def populate_kv(self) -> None:
-        """Fault the whole CPU pool's pages in now (`kv_cache_populate`), contents unchanged.
+        """Fault the CPU pool's pages in (`kv_cache_populate`), contents unchanged: its first
+        `KV_POPULATE_SYNC_BYTES` now, the rest on a background thread while the engine starts and serves.
 
         Why: the pool is lazily zeroed memory and never-used blocks are handed out in id order, so a
         fresh server's first few GiB of KV writes each page-fault, inside the attention's parallel
         region, where one stalled thread stalls the other. In the 64-client load of benchmarks/vs_vllm.py
         (in-process, this 2-core AMD EPYC) the K/V writes took 5.3 s of 107 s with faults and 1.0 s
         without; output 303 -> 329 tok/s. A server commits its pool at startup instead, as vLLM's
-        preallocated cache does. `MADV_POPULATE_WRITE` (Linux 5.14+) runs one call per tensor on a
-        thread pool (ctypes drops the GIL); where the kernel lacks it, the pool is written with zeros; on
-        any other error (ENOMEM) it stays lazy, with a warning."""
+        preallocated cache does. But first touches of memory are slow on some machines (this VM: ~0.6 GB/s,
+        an 8.5 GiB pool took 41 s), so only the blocks handed out first are faulted in before the server
+        answers; the rest follows in block order on one background thread, well ahead of the blocks requests
+        take. `MADV_POPULATE_WRITE` (Linux 5.14+) runs one call per tensor on a thread pool (ctypes drops the
+        GIL); where the kernel lacks it, the whole pool is written with zeros now; on any other error (ENOMEM)
+        it stays lazy, with a warning."""
         if not self._pool_buffers:
             return
         t0 = time.perf_counter()
         tensors = [t for layer in self.kv_caches for t in layer]
+        total = sum(t.numel() * t.element_size() for t in tensors)
+        head_blocks = self.num_blocks if total <= KV_POPULATE_SYNC_BYTES else max(
+            1, self.num_blocks * KV_POPULATE_SYNC_BYTES // total)
         _libc()  # resolved once, before the threads ask for it
 
         with ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads())) as pool:
-            errors = list(pool.map(_madvise_populate, tensors))
+            errors = list(pool.map(_madvise_populate, [t[:head_blocks] for t in tensors]))
         how = "MADV_POPULATE_WRITE"
         if any(e == errno.EINVAL for e in errors):  # no such advice (before Linux 5.14, or not Linux)
-            how = "zeros"
-            for t, e in zip(tensors, errors):
-                if e != 0:
-                    t.zero_()  # one at a time: zero_ is itself parallel
+            how, head_blocks = "zeros", self.num_blocks
+            for t in tensors:
+                t.zero_()  # one at a time: zero_ is itself parallel
         elif any(errors):  # ENOMEM and the like: touching every page would only fail harder
             log.warning("KV cache: could not fault the pool in (%s); it stays lazy",
                         os.strerror(next(e for e in errors if e)))
             return
-        log.info("KV cache: %.2f GiB of pages faulted in at startup in %.1f s (%s)",
-                 sum(t.numel() * t.element_size() for t in tensors) / 2**30, time.perf_counter() - t0, how)
+        done = total * head_blocks // self.num_blocks
+        log.info("KV cache: %.2f GiB of pages faulted in at startup in %.1f s (%s)%s", done / 2**30,
+                 time.perf_counter() - t0, how, "" if head_blocks == self.num_blocks else
+                 f"; the other {(total - done) / 2**30:.2f} GiB on a background thread")
+        if head_blocks < self.num_blocks:
+            stop = threading.Event()
+            thread = threading.Thread(target=_populate_rest, args=(tensors, head_blocks, total, stop),
+                                      name="conveyor-kv-populate", daemon=True)
+            self._populate_job = (thread, stop)
+            thread.start()
+
+    def _stop_populating(self) -> None:
+        if self._populate_job is not None:
+            thread, stop = self._populate_job
+            stop.set()
+            thread.join()
+            self._populate_job = None
 
     @property
     def bytes_per_block(self) -> int:
@@ -286,8 +486,12 @@ class ModelRunner:
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = free * config.kv_cache_memory_fraction
         else:
-            budget = min(psutil.virtual_memory().available * config.kv_cache_memory_fraction,
-                         CPU_DEFAULT_KV_CAP_GIB * 2**30)
+            size = default_kv_size(self.block_bytes(1), self.weight_bytes, config.max_num_seqs,
+                                   config.max_model_len or self.model_config.max_position_embeddings,
+                                   self.min_kv_tokens(config), available_ram(), self.activation_headroom(config),
+                                   config.kv_cache_memory_fraction)
+            budget = size.budget
+            log.info("KV pool: %.2f GiB by default, %s", budget / 2**30, size.note)
         n = int(budget // self.block_bytes(config.block_size))
         if n < 2:
             raise ValueError(f"kv_cache_memory is too small for even two KV blocks "
@@ -374,6 +578,8 @@ class ModelRunner:
         (`grammar` masks the rows, in that order, whose output has a grammar), with the step's phase
         times and any prompt logprobs it computed."""
         t0 = time.perf_counter()
+        if self.cores is not None:
+            self.cores.tick()  # fewer compute threads while other processes keep cores busy (runner/cores.py)
         for src, dst in copies:  # copy-on-write of shared, partly filled blocks
             for cache in self.kv_caches:
                 for t in cache:
@@ -473,6 +679,34 @@ def _libc() -> ctypes.CDLL | None:
         return libc
     except (OSError, AttributeError):
         return None
+
+
+def _trim_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc's `malloc_trim`, which also releases whole free
+    pages inside the heap). Loading frees a source buffer per layer; those below glibc's mmap threshold (which
+    rises up to 32 MB as larger blocks are freed: a 3B model's fused q/k/v is 31.5 MB) come from the heap, whose
+    holes otherwise stay resident after the load (~0.8 GB on the 3B shape)."""
+    libc = _libc()
+    trim = getattr(libc, "malloc_trim", None) if libc is not None else None
+    if trim is not None:
+        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+        trim(0)
+
+
+def _populate_rest(tensors: list[torch.Tensor], first_block: int, total: int, stop: threading.Event) -> None:
+    """`populate_kv`'s background part: blocks from `first_block` on, in block order across the layers, ~64 MB
+    per round, until done or `stop` (a new pool replaces this one)."""
+    t0 = time.perf_counter()
+    blocks = tensors[0].shape[0]
+    step = max(1, blocks * (64 << 20) // max(total, 1))
+    for a in range(first_block, blocks, step):
+        if stop.is_set():
+            return
+        for t in tensors:
+            if _madvise_populate(t[a:a + step]) != 0:
+                return  # ENOMEM and the like: the rest stays lazy
+    log.info("KV cache: the rest of the pool (%.2f GiB) faulted in, in the background in %.1f s",
+             total * (blocks - first_block) / blocks / 2**30, time.perf_counter() - t0)
 
 
 def _madvise_populate(t: torch.Tensor) -> int:

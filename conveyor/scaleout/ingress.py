@@ -5,9 +5,10 @@
 
 Each replica is its own Ray Serve deployment (`replica.EngineReplica`, one replica each, so the
 ingress can address it and Ray restarts it when its process dies). The ingress is a FastAPI app in
-this process: it checks the API key, reads the body, asks the `Router` for a replica (prefix
-affinity or least load) and relays the request to it through a Ray Serve handle, streaming the
-answer back as it comes. A background task polls every replica's load and health; `/metrics`
+this process: it checks the API key, reads the body (both by the single server's rules,
+`conveyor/server/http.py`), asks the `Router` for a replica (prefix affinity or least load) and relays
+the request to it, with its end-to-end headers, through a Ray Serve handle, streaming the answer back
+as it comes. A background task polls every replica's load and health; `/metrics`
 merges the replicas' series under a `replica` label, `/health` lists each. Ray is imported only
 here: the single-process server never needs it.
 """
@@ -17,12 +18,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import os
+import signal
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -39,15 +42,16 @@ from conveyor.scaleout.args import add_scaleout_args  # noqa: F401 - re-exported
 from conveyor.scaleout.lora import add_runtime_lora_routes, check_lora_modules, lora_affinity_key
 from conveyor.scaleout.router import Router, prefix_text
 from conveyor.server import protocol as P
-from conveyor.server.api_server import ServerArgs, bind_listen_socket
+from conveyor.server.args import DEFAULT_ENGINE_LOOP, RETRY_AFTER_S, ServerArgs
+from conveyor.server.async_engine import ServerDrainingError, ServerShutdownError
+from conveyor.server.http import ApiError, ApiKeys, engine_error, forwarded_headers, read_body, wait_disconnect
+from conveyor.server.launch import GracefulServer, bind_listen_socket
 from conveyor.server.lora import runtime_updating_allowed
 from conveyor.server.metrics import CONTENT_TYPE
-from conveyor.server.serving import ApiError
 
 log = logging.getLogger("conveyor.scaleout")
 
 APP_PREFIX = "conveyor-replica-"
-_FORWARDED_HEADERS = ("content-type", "accept", "x-request-id", "user-agent")
 
 
 @dataclass
@@ -62,9 +66,17 @@ class ReplicaState:
     served: int = 0
 
     @property
-    def load(self) -> float | None:
-        """Sequences on the replica: the larger of its report and this ingress's own count (fresher under bursts)."""
+    def state(self) -> str:
+        """ok | restarting (its engine died and a new one is loading) | draining | dead | down (not answering)."""
         if not self.up:
+            return "down"
+        return self.report.get("state", "ok")
+
+    @property
+    def load(self) -> float | None:
+        """Sequences on the replica: the larger of its report and this ingress's own count (fresher under bursts).
+        None for a replica that takes no new requests now (down, restarting, draining): the router skips it."""
+        if self.state != "ok":
             return None
         return float(max(self.inflight, self.report.get("running", 0) + self.report.get("waiting", 0)))
 
@@ -107,6 +119,7 @@ class Ingress:
         self.router = router
         self.model_name = model_name
         self.poll_interval_s = poll_interval_s
+        self.api_keys = ApiKeys(args.api_key)
         self.registry = CollectorRegistry(auto_describe=True)
         self.replica_metrics = _MergedReplicaMetrics()
         self.registry.register(self.replica_metrics)
@@ -117,14 +130,40 @@ class Ingress:
         self.relay_errors = Counter("conveyor:replica_errors", "Requests that ended because their replica failed.",
                                     ["replica"], registry=self.registry)
         self._ready = asyncio.Event()
+        self.draining = False
+        self._open: dict[int, Callable[[str], None]] = {}  # relays of engine work in flight -> how to end one
+        self._relay_ids = itertools.count()
         self.app = self._build_app()
+        self.app.state.drainable = self  # GracefulServer drains the ingress on SIGTERM
+
+    # --- draining (SIGTERM: launch.GracefulServer) ----------------------------------------------------
+    def drain(self) -> None:
+        """Take no new requests (503 draining, `/health` 503 draining); relays in flight go on."""
+        if not self.draining:
+            self.draining = True
+            log.info("draining: no new requests; %d in flight", len(self._open))
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._open)
+
+    def end_in_flight(self, why: str) -> int:
+        """End every relay still open: its replica request is cancelled (aborted there) and the client gets
+        503 server_shutdown (an error event in a stream)."""
+        enders = list(self._open.values())
+        if enders:
+            log.warning("ending %d in-flight request(s): %s", len(enders), why)
+        for end in enders:
+            end(why)
+        return len(enders)
 
     # --- replica state ------------------------------------------------------------------------------
     async def poll_once(self) -> None:
         async def one(r: ReplicaState) -> None:
             try:
                 r.report = await asyncio.wait_for(r.handle.stats.remote(), timeout=max(2.0, 4 * self.poll_interval_s))
-                r.up = bool(r.report.get("alive", False))
+                # a replica whose engine restarts or that drains still answers: up, but not routed to (`load`)
+                r.up = r.report.get("state", "ok" if r.report.get("alive") else "dead") != "dead"
             except Exception as e:  # dead, restarting, or not yet up: not routable until it answers again
                 if r.up:
                     log.warning("replica %d stopped answering: %r", r.index, e)
@@ -144,24 +183,11 @@ class Ingress:
 
     # --- relaying -------------------------------------------------------------------------------------
     def check_key(self, request: Request) -> None:
-        if not self.args.api_key:
-            return
-        import hmac
-
-        auth = request.headers.get("authorization", "")
-        token = auth[7:] if auth[:7].lower() == "bearer " else ""
-        if not hmac.compare_digest(token.encode(), self.args.api_key.encode()):
-            raise ApiError(401, "Incorrect or missing API key; send 'Authorization: Bearer <key>'.",
-                           code="invalid_api_key")
+        """The single server's key rule (`--api-key k1,k2`: any of the keys); replicas never check keys."""
+        self.api_keys.check(request)
 
     async def read_body(self, request: Request) -> bytes:
-        limit = self.args.max_request_bytes
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise ApiError(413, f"request body is larger than {limit} bytes", code="request_too_large")
-        return bytes(body)
+        return await read_body(request, self.args.max_request_bytes)
 
     async def relay(self, request: Request, body: bytes = b"", replica: int | None = None) -> Response:
         """Send the request to the replica the router picks (or to `replica`) and stream its answer back."""
@@ -172,6 +198,8 @@ class Ingress:
         n = data.get("n", 1) if isinstance(data, dict) else 1
         n = n if isinstance(n, int) and 0 < n <= 1024 else 1
         path = request.url.path
+        if replica is None and self.draining:
+            raise engine_error(ServerDrainingError("the server is shutting down and takes no new requests"))
         if replica is None:
             model = data.get("model") if isinstance(data, dict) else None
             key = lora_affinity_key(model, self.model_name, prefix_text(path, data))
@@ -184,16 +212,30 @@ class Ingress:
             r.served += 1
         else:  # not engine work (the dashboard's stream): no routing, no load
             r, n = self.replicas[replica], 0
-        headers = [(k, v) for k, v in request.headers.items() if k in _FORWARDED_HEADERS]
+        headers = forwarded_headers(request.headers.items())  # the replica's rules see what the client sent
         gen = r.handle.options(stream=True).handle.remote(request.method, path, headers, body)
         r.inflight += n
         closed = False
+        ended_why: str | None = None  # the drain's time ran out: why this relay was ended
+        relay_id = next(self._relay_ids)
+
+        def end(why: str) -> None:
+            nonlocal ended_why
+            ended_why = why
+            gen.cancel()
+
+        if n:
+            self._open[relay_id] = end
 
         def finish() -> None:
             nonlocal closed
             if not closed:
                 closed = True
                 r.inflight -= n
+                self._open.pop(relay_id, None)
+
+        def shutdown_error(why: str) -> ApiError:  # the single server's answer when a drain ends a request
+            return engine_error(ServerShutdownError(why))
 
         head_task = asyncio.ensure_future(gen.__anext__())
         gone = asyncio.ensure_future(wait_disconnect(request))
@@ -214,6 +256,8 @@ class Ingress:
                            code="replica_failed") from None
         except Exception as e:
             finish()
+            if ended_why is not None:
+                raise shutdown_error(ended_why) from None
             self._replica_failed(r, e)
             raise ApiError(503, f"engine replica {r.index} failed: {type(e).__name__}; retry", "service_unavailable",
                            code="replica_failed") from None
@@ -228,7 +272,12 @@ class Ingress:
             try:
                 async for chunk in gen:
                     yield chunk
-            except Exception as e:  # the replica died mid-answer: an error event (streams) and the end
+            except Exception as e:  # the replica died mid-answer (or the drain ended it): an error event and the end
+                if ended_why is not None:
+                    err = shutdown_error(ended_why).body()
+                    yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+                    ended = True
+                    return
                 self._replica_failed(r, e)
                 if streaming:
                     err = P.error_body(f"engine replica {r.index} failed mid-stream: {type(e).__name__}",
@@ -247,6 +296,8 @@ class Ingress:
                 async for chunk in gen:
                     chunks.append(chunk)
             except Exception as e:
+                if ended_why is not None:
+                    raise shutdown_error(ended_why) from None
                 self._replica_failed(r, e)
                 raise ApiError(503, f"engine replica {r.index} failed: {type(e).__name__}; retry",
                                "service_unavailable", code="replica_failed") from None
@@ -314,13 +365,16 @@ class Ingress:
             except asyncio.TimeoutError:
                 return JSONResponse(P.error_body("the replicas have not answered yet", "service_unavailable",
                                                  code="starting"), status_code=503)
-            reps = [{"replica": r.index, "status": "ok" if r.up else "down", "served_from_here": r.served,
+            reps = [{"replica": r.index, "status": r.state, "served_from_here": r.served,
                      **{k: r.report.get(k) for k in ("pid", "node", "running", "waiting", "kv_cache_usage", "error")}}
                     for r in self.replicas]
-            up = sum(r.up for r in self.replicas)
-            status = "ok" if up == len(self.replicas) else ("degraded" if up else "down")
+            if self.draining:
+                return JSONResponse({"status": "draining", "in_flight": self.in_flight, "replicas": reps},
+                                    status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+            routable = sum(r.state == "ok" for r in self.replicas)
+            status = "ok" if routable == len(self.replicas) else ("degraded" if routable else "down")
             return JSONResponse({"status": status, "router": self.router.policy, "replicas": reps},
-                                status_code=200 if up else 503)
+                                status_code=200 if routable else 503)
 
         @app.get("/version")
         async def version() -> Response:
@@ -355,11 +409,6 @@ class _RelayResponse(StreamingResponse):
             self.on_close()
 
 
-async def wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 def _replica_options(args: argparse.Namespace) -> dict:
     gpus = args.replica_gpus
     if gpus is None:
@@ -377,15 +426,14 @@ def run_replicated_server(args: argparse.Namespace) -> int:
         from ray.serve.api import RunTarget
     except ImportError:
         raise ValueError("--replicas > 1 needs Ray Serve: pip install 'conveyor[ray]'") from None
-    import uvicorn
-
     from conveyor.engine.args import engine_config_from_args
     from conveyor.scaleout.replica import EngineReplica
 
     if args.replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
-    if args.engine_loop != "thread":
+    if args.engine_loop not in ("thread", DEFAULT_ENGINE_LOOP):
         raise ValueError("with --replicas each replica runs its engine loop in a thread (--engine-loop thread)")
+    args.engine_loop = "thread"  # each replica is a process of its own already
     if getattr(args, "log_level", "WARNING").upper() == "WARNING":
         logging.getLogger("conveyor").setLevel(logging.INFO)
     # replicas on one node size their pools from the same free memory at once: committing them all at
@@ -415,11 +463,15 @@ def run_replicated_server(args: argparse.Namespace) -> int:
         log.info("%d replicas up in %.1fs (%s each)", args.replicas, time.monotonic() - t0, options)
         handles = [serve.get_app_handle(name) for name in names]
         ingress = Ingress(handles, sargs, router, cfg.served_model_name or cfg.model)
-        server = uvicorn.Server(uvicorn.Config(ingress.app, host=sargs.host, port=sargs.port, lifespan="on",
-                                               log_level=sargs.uvicorn_log_level, access_log=False,
-                                               timeout_keep_alive=sargs.timeout_keep_alive,
-                                               timeout_graceful_shutdown=sargs.shutdown_timeout))
+        # SIGTERM or a first Ctrl-C drains the ingress (503 draining, relays in flight get --shutdown-timeout)
+        server = GracefulServer(ingress.app, sargs.shutdown_timeout, host=sargs.host, port=sargs.port,
+                                log_level=sargs.uvicorn_log_level, access_log=False,
+                                timeout_keep_alive=sargs.timeout_keep_alive)
+        for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn re-raises the signal it handled: swallowed here
+            signal.signal(sig, lambda *_: None)
         server.run(sockets=[sock])
+        if server.forced:
+            return 130
         return 0 if server.started else 1
     finally:
         sock.close()

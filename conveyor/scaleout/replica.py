@@ -21,7 +21,8 @@ from dataclasses import replace
 from ray import serve
 
 from conveyor.config import EngineConfig
-from conveyor.server.api_server import ServerArgs, build_app
+from conveyor.server.api_server import build_app
+from conveyor.server.args import ServerArgs
 
 
 async def asgi_call(app, method: str, path: str, headers: list[tuple[str, str]], body: bytes,
@@ -95,7 +96,10 @@ class EngineReplica:
     async def stats(self) -> dict:
         """What the ingress routes and reports on: load, prefix-cache counters, where this replica lives."""
         s = self.engine.stats()
-        return {"replica": self.index, "alive": self.engine.alive, "error": self.engine.error, "running": s.running,
+        # ok | restarting | draining | dead: the ingress routes new requests only to "ok" replicas
+        state = self.engine.health()[1]["status"]
+        return {"replica": self.index, "alive": self.engine.alive, "state": state, "error": self.engine.error,
+                "running": s.running,
                 "waiting": s.waiting, "kv_cache_usage": s.kv_usage, "prefix_cache_queries": s.prefix_queries,
                 "prefix_cache_hits": s.prefix_hits, "pid": os.getpid(), "node": socket.gethostname()}
 
@@ -104,8 +108,10 @@ class EngineReplica:
         return self.app.state.metrics.render().decode()
 
     async def check_health(self) -> None:
-        """Ray Serve restarts a replica whose check raises: a dead engine means a new replica."""
-        if not self.engine.alive:
+        """Ray Serve restarts a replica whose check raises: an engine dead for good (a crash loop) means a new
+        replica. An engine that restarts by itself (`AsyncEngine`) or a replica that drains is not sick: the
+        ingress only stops routing to it meanwhile."""
+        if self.engine.state == "dead":
             raise RuntimeError(f"the engine is dead: {self.engine.error!r}")
 
     async def __del__(self) -> None:

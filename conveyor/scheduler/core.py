@@ -57,6 +57,9 @@ class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, policy, max_model_len: int,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        # the seat limit: running sequences, and so sequences per step (vLLM's max_num_seqs). Read here, once,
+        # where steps are planned; policies read it from the scheduler (a strategy switch keeps it)
+        self.max_num_seqs = config.max_num_seqs
         self.kv = kv
         self.policy = policy
         self.max_model_len = max_model_len
@@ -83,6 +86,37 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.held)
+
+    # --- views of the queues (the engine's snapshot: /metrics and the dashboard) ---------------------------
+    def _queued(self) -> Iterable[Request]:
+        """Waiting sequences, n > 1 siblings held for their prompt included."""
+        yield from self.waiting
+        for v in self.held.values():
+            yield from v
+
+    def tenant_rows(self, tokens: dict[str, int]) -> tuple[tuple[str, int, int, int], ...]:
+        """(tenant, running, waiting, tokens generated) for every tenant with a request now and every one in
+        `tokens` (the engine's bounded count of generated tokens per tenant). Running and waiting are counted
+        from the queues at each call rather than kept up to date at every transition: the queues are the only
+        truth."""
+        rows: dict[str, list[int]] = {t: [0, 0] for t in tokens}
+        for r in self.running:
+            rows.setdefault(r.tenant_id, [0, 0])[0] += 1
+        for r in self._queued():
+            rows.setdefault(r.tenant_id, [0, 0])[1] += 1
+        return tuple((t, run, wait, tokens.get(t, 0)) for t, (run, wait) in sorted(rows.items()))
+
+    def lora_counts(self) -> tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]]:
+        """Sequences per adapter name, (running, waiting) (vLLM's lora_requests_info)."""
+
+        def count(reqs: Iterable[Request]) -> tuple[tuple[str, int], ...]:
+            counts: dict[str, int] = {}
+            for r in reqs:
+                if r.lora_request is not None:
+                    counts[r.lora_request.lora_name] = counts.get(r.lora_request.lora_name, 0) + 1
+            return tuple(sorted(counts.items()))
+
+        return count(self.running), count(self._queued())
 
     def _release_held(self, source: Request) -> None:
         """Send `source`'s held siblings to the head of the queue (they fork if it still runs)."""
@@ -127,7 +161,7 @@ class Scheduler:
 
     # --- the step ---------------------------------------------------------------------------------
     def schedule(self) -> Step:
-        step = Step(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        step = Step(self.config.max_num_batched_tokens, self.max_num_seqs)
         self.policy.schedule(self, step)
         self._add_guesses(step)
         for req in self.waiting:
@@ -231,7 +265,7 @@ class Scheduler:
 
     def admit(self, step: Step, req: Request, chunk: bool = True) -> bool:
         """Try to move `req` from waiting to running in this step. False when it does not fit."""
-        if not step.has_room() or len(self.running) >= self.config.max_num_seqs:
+        if not step.has_room() or len(self.running) >= self.max_num_seqs:
             return False  # max_num_seqs caps the running set too (vLLM), not only one step's batch
         if not step.lora_fits(req, self.config.max_loras):
             return False

@@ -229,7 +229,7 @@ class PriorityPolicy(IterationPolicy):
             level = w.priority  # waiting earns admission order, not the power to preempt (no churn)
             n = min(w.num_tokens - w.num_computed_tokens, budget)
             need = -(-n // bs)
-            while seqs + 1 > s.config.max_num_seqs or blocks + need > s.kv.num_free_blocks:
+            while seqs + 1 > s.max_num_seqs or blocks + need > s.kv.num_free_blocks:
                 cands = [r for r in s.running if self.effective_priority(r) > level]
                 if not cands:
                     return  # nobody it outranks: it waits like everyone else
@@ -370,7 +370,7 @@ class FairPolicy(IterationPolicy):
         """Each active tenant's fair share of the running set's seats, by weight."""
         active = {r.tenant_id for r in s.running} | {r.tenant_id for r in s.waiting}
         total = sum(self.weight(t) for t in active) or 1.0
-        return {t: s.config.max_num_seqs * self.weight(t) / total for t in active}
+        return {t: s.max_num_seqs * self.weight(t) / total for t in active}
 
     def update_light(self, s: Scheduler) -> None:
         """An active tenant whose requests fit in the seats becomes light under LIGHT_FRACTION of the active
@@ -387,9 +387,9 @@ class FairPolicy(IterationPolicy):
         mean = sum(self.recent.get(t, 0.0) for t in demand) / len(demand)
         for t in demand:
             mine = self.recent.get(t, 0.0)
-            if mine > mean or demand[t] > self.BACKLOG_SEATS * s.config.max_num_seqs:
+            if mine > mean or demand[t] > self.BACKLOG_SEATS * s.max_num_seqs:
                 self.light.discard(t)
-            elif mine < self.LIGHT_FRACTION * mean and demand[t] <= s.config.max_num_seqs:
+            elif mine < self.LIGHT_FRACTION * mean and demand[t] <= s.max_num_seqs:
                 self.light.add(t)
         self.light_now = self.light & demand.keys()
 
@@ -402,7 +402,7 @@ class FairPolicy(IterationPolicy):
         starts at once beside a noisy one instead of waiting for one of the noisy tenant's requests to
         finish. A tenant at or below its share is never preempted for another, nor is a light tenant, so
         this cannot churn; for a light tenant, heavy ones give seats down to none."""
-        if not s.waiting or len(s.running) < s.config.max_num_seqs:
+        if not s.waiting or len(s.running) < s.max_num_seqs:
             return
         share = self.shares(s)
         seats: dict[str, int] = {}
@@ -416,7 +416,7 @@ class FairPolicy(IterationPolicy):
             keep_share = t not in self.light_now
             over = [u for u in seats if u != t and u not in self.light
                     and seats[u] - 1 >= (share[u] if keep_share else 0)]
-            if not over or sum(seats.values()) < s.config.max_num_seqs:
+            if not over or sum(seats.values()) < s.max_num_seqs:
                 break  # nobody to take from, or a seat is free for it (one taken back, not yet refilled)
             u = max(over, key=lambda u: (seats[u] - share[u], self.counters.get(u, 0.0), u))
             victim = max((r for r in s.running if r.tenant_id == u), key=lambda r: (r.arrival_time, r.request_id))
@@ -440,7 +440,7 @@ class FairPolicy(IterationPolicy):
         for r in s.prefer_resident_loras(self.order_waiting(s), step):
             t = r.tenant_id
             if (self.may_take_seat(t, seats, share) and r.num_tokens - r.num_computed_tokens <= self.long_threshold
-                    and len(s.running) + len(first) < s.config.max_num_seqs):
+                    and len(s.running) + len(first) < s.max_num_seqs):
                 first.append(r)
                 seats[t] = seats.get(t, 0) + 1
         if not first:

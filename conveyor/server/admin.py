@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response
 
 from conveyor.scheduler.policies import POLICIES, coerce_options
 from conveyor.server.async_engine import AsyncEngine, EngineDeadError
-from conveyor.server.serving import ApiError, bad_request
+from conveyor.server.http import bad_request, engine_error
 
 
 def install_admin_routes(app: FastAPI, aengine: AsyncEngine, check_key: Callable[[Request], None],
@@ -54,7 +54,7 @@ def install_admin_routes(app: FastAPI, aengine: AsyncEngine, check_key: Callable
         try:
             sw = await aengine.set_scheduler(name, options)
         except EngineDeadError as e:
-            raise ApiError(503, str(e), "service_unavailable", code="engine_dead") from None
+            raise engine_error(e) from None
         if sw.error is not None:  # the engine refused a value (e.g. malformed tenant weights): nothing changed
             raise bad_request(sw.error.split(": ", 1)[-1])
         return JSONResponse({"scheduler": sw.name, "options": sw.options, "previous": previous})

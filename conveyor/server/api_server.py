@@ -4,17 +4,18 @@
     curl localhost:8000/v1/completions -H 'content-type: application/json' \\
          -d '{"model": "smollm2-135m", "prompt": "Hello", "max_tokens": 16}'
 
-The engine runs in its own thread (`AsyncEngine`); this module only parses, validates, routes
-and formats. Errors always use OpenAI's {"error": {...}} body.
+The engine runs in its own thread (`AsyncEngine`); this module only wires the routes: each endpoint
+is its own module over the shared serving base (`serving.py`), the HTTP rules (keys, bodies, errors)
+come from `http.py`, and starting and stopping the process is `launch.py`'s. Errors always use
+OpenAI's {"error": {...}} body.
 """
 
 from __future__ import annotations
 
 import argparse
-import hmac
-import json
 import logging
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
 
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -23,21 +24,19 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 
 import conveyor
 from conveyor.config import EngineConfig
-from conveyor.engine.engine_loop import (
-    EngineClient,
-    InlineEngineClient,
-    ProcessEngineClient,
-    Stop,
-    ThreadEngineClient,
-)
+from conveyor.engine.clients import EngineClient, InlineEngineClient, ProcessEngineClient, ThreadEngineClient
 from conveyor.engine.llm_engine import LLMEngine
+from conveyor.engine.messages import Stop
 from conveyor.pooling import default_pooling
 from conveyor.server import protocol as P
 from conveyor.server.admin import install_admin_routes
-from conveyor.server.args import KEEP_ALIVE_S, ServerArgs, add_server_args
+from conveyor.server.args import KEEP_ALIVE_S, RETRY_AFTER_S, ServerArgs, add_server_args
 from conveyor.server.async_engine import AsyncEngine
+from conveyor.server.chat import OpenAIServingChat
+from conveyor.server.completions import OpenAIServingCompletion
 from conveyor.server.dashboard import DashboardHub, dashboard_html, dashboard_setup
-from conveyor.server.launch import GracefulServer, bind_listen_socket, run_server
+from conveyor.server.embeddings import OpenAIServingEmbedding
+from conveyor.server.http import ApiError, ApiKeys, read_json
 from conveyor.server.lora import (
     add_runtime_routes,
     parse_lora_module,
@@ -45,49 +44,66 @@ from conveyor.server.lora import (
     runtime_updating_allowed,
 )
 from conveyor.server.metrics import CONTENT_TYPE, ServerMetrics
-from conveyor.server.serving import ApiError, OpenAIServing, bad_request
+from conveyor.server.serving import ServingContext, ServingOptions
 from conveyor.server.tenancy import TenantRule
+from conveyor.server.tokenization import OpenAIServingTokenization
 from conveyor.server.tools import check_tool_args, load_chat_template
 
-__all__ = ["KEEP_ALIVE_S", "ServerArgs", "add_server_args", "GracefulServer", "bind_listen_socket", "run_server",
-           "build_app", "make_client", "read_json"]
+__all__ = ["KEEP_ALIVE_S", "ServerArgs", "add_server_args", "build_app", "make_client", "Endpoints"]
 
 log = logging.getLogger("conveyor.server")
-async def read_json(request: Request, limit: int) -> dict:
-    """The body as a JSON object: 413 past `limit` bytes, 400 unless it parses to an object."""
-    cl = request.headers.get("content-length", "")
-    if cl.isdigit() and int(cl) > 16 * limit:
-        raise ApiError(413, f"request body is larger than {limit} bytes", code="request_too_large")
-    body, size = bytearray(), 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size <= limit:
-            body += chunk
-        elif size > 16 * limit:
-            break
-    if size > limit:  # read (and dropped) the rest first, so the client sees this answer, not a reset
-        raise ApiError(413, f"request body is larger than {limit} bytes", code="request_too_large")
-    try:
-        data = json.loads(body)
-    except (ValueError, RecursionError) as e:
-        raise bad_request(f"the body is not valid JSON: {str(e)[:200]}") from None
-    if not isinstance(data, dict):
-        raise bad_request("the body must be a JSON object")
-    return data
 
 
-def make_client(config: EngineConfig, where: str, engine: LLMEngine | None = None) -> EngineClient:
-    """Start the engine loop `where` (thread | process | inline); `engine`: an already built engine."""
+@dataclass
+class Endpoints:
+    """The server's endpoints over their one shared context (`app.state.serving`)."""
+
+    ctx: ServingContext
+    completions: OpenAIServingCompletion
+    chat: OpenAIServingChat
+    embeddings: OpenAIServingEmbedding
+    tokenization: OpenAIServingTokenization
+
+    @classmethod
+    def create(cls, ctx: ServingContext) -> Endpoints:
+        return cls(ctx, OpenAIServingCompletion(ctx), OpenAIServingChat(ctx), OpenAIServingEmbedding(ctx),
+                   OpenAIServingTokenization(ctx))
+
+    @property
+    def tokenizer(self):
+        """The endpoints' (private) tokenizer."""
+        return self.ctx.tokenizer
+
+
+def make_client(config: EngineConfig, where: str, engine: LLMEngine | None = None,
+                tokenizer: object | None = None) -> EngineClient:
+    """Start the engine loop `where` (thread | process | inline); `engine`: an already built engine;
+    `tokenizer`: the HTTP side's, already loaded (a process client would load its own)."""
     if where == "process":
         if engine is not None:
             raise ValueError("an engine built in this process cannot run in another one")
-        return ProcessEngineClient(config)
+        return ProcessEngineClient(config, tokenizer=tokenizer)
     if where == "inline":
         return InlineEngineClient(engine or LLMEngine(config))
     if where != "thread":
         raise ValueError(f"engine loop must be thread, process or inline, got {where!r}")
-    # thread: the model is built in the thread that will step it (OpenMP: see engine_loop.py)
+    # thread: the model is built in the thread that will step it (OpenMP: see engine/clients.py)
     return ThreadEngineClient(engine if engine is not None else (lambda: LLMEngine(config)))
+
+
+def respawner(config: EngineConfig, args: ServerArgs, first: EngineClient):
+    """How the server starts a new engine after the engine died: the same configuration, with `overrides`
+    (the batching strategy switched live), in the same kind of loop; None for `--engine-loop inline`
+    (an engine stepped on the event loop is not restarted). Holds nothing of `first` but its tokenizer: a
+    reference to the first engine would keep its memory after it died."""
+    if args.engine_loop == "inline":
+        return None
+    tokenizer, where = first.tokenizer, args.engine_loop
+
+    def respawn(overrides: dict) -> EngineClient:
+        return make_client(replace(config, **overrides), where, tokenizer=tokenizer)
+
+    return respawn
 
 
 def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Namespace | None = None,
@@ -106,23 +122,25 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
     client = make_client(engine_config, args.engine_loop, engine)
     info = client.info
     aengine = AsyncEngine(client, max_queued_requests=args.max_queued_requests, log_interval_s=args.log_interval,
-                          max_queued_tokens=args.max_queued_tokens)
+                          max_queued_tokens=args.max_queued_tokens, respawn=respawner(engine_config, args, client),
+                          max_restarts=args.max_engine_restarts, restart_window_s=args.engine_restart_window)
     metrics = ServerMetrics(info.model_name, aengine.stats, info, max_tenants=args.metrics_max_tenants,
                             config=engine_config)
     aengine.metrics = metrics
-    serving = OpenAIServing(aengine, [info.model_name], args.request_timeout)
-    serving.chat_template, serving.tool_parser = chat_template, tool_parser
-    serving.pooling = args.pooling or default_pooling(engine_config.model)
-    serving.tenant_rule = TenantRule.parse(args.tenant_key)
+    options = ServingOptions(request_timeout=args.request_timeout, chat_template=chat_template, tool_parser=tool_parser,
+                             pooling=args.pooling or default_pooling(engine_config.model),
+                             tenant_rule=TenantRule.parse(args.tenant_key))
+    serving = Endpoints.create(ServingContext(aengine, [info.model_name], options))
+    ctx = serving.ctx
     try:  # a bad adapter is a startup error: stop the engine loop that is built and waiting
-        loras = register_lora_modules(serving, info.lora, args.lora_modules)
+        loras = register_lora_modules(ctx, info.lora, args.lora_modules)
     except ValueError:
         client.send(Stop())
         if not isinstance(client, InlineEngineClient):
             client.start()
             client.join(10)
         raise
-    hub = DashboardHub(client, dashboard_setup(engine_config, info))
+    hub = DashboardHub(aengine, dashboard_setup(engine_config, info))
     aengine.observers.append(hub.observe)
     metrics.listeners.append(hub)
     logging.getLogger("conveyor.server.requests").disabled = args.disable_log_requests
@@ -142,15 +160,7 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
     app.state.args = args
     app.state.dashboard = hub
 
-    def check_key(request: Request) -> None:
-        if not args.api_key:
-            return
-        auth = request.headers.get("authorization", "")
-        token = auth[7:] if auth[:7].lower() == "bearer " else ""
-        # several keys, comma-separated (--tenant-key api-key tells tenants apart by key); compare with each
-        if not any([hmac.compare_digest(token.encode(), k.encode()) for k in args.api_key.split(",") if k]):
-            raise ApiError(401, "Incorrect or missing API key; send 'Authorization: Bearer <key>'.",
-                           code="invalid_api_key")
+    check_key = ApiKeys(args.api_key).check
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError) -> JSONResponse:
@@ -170,35 +180,35 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         check_key(request)
-        return await serving.completions(await read_json(request, args.max_request_bytes), request)
+        return await serving.completions.create(await read_json(request, args.max_request_bytes), request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         check_key(request)
-        return await serving.chat(await read_json(request, args.max_request_bytes), request)
+        return await serving.chat.create(await read_json(request, args.max_request_bytes), request)
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
         check_key(request)
-        return await serving.embeddings(await read_json(request, args.max_request_bytes), request)
+        return await serving.embeddings.create(await read_json(request, args.max_request_bytes), request)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         check_key(request)
-        return await serving.tokenize_endpoint(await read_json(request, args.max_request_bytes))
+        return await serving.tokenization.tokenize_endpoint(await read_json(request, args.max_request_bytes))
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         check_key(request)
-        return await serving.detokenize_endpoint(await read_json(request, args.max_request_bytes))
+        return await serving.tokenization.detokenize_endpoint(await read_json(request, args.max_request_bytes))
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         check_key(request)
         cards = [P.ModelCard(id=name, root=engine_config.model, max_model_len=info.max_model_len)
-                 for name in serving.model_names]
-        cards += [P.ModelCard(id=name, root=lora.lora_path, parent=serving.model_names[0],
-                              max_model_len=info.max_model_len) for name, lora in list(serving.loras.items())]
+                 for name in ctx.model_names]
+        cards += [P.ModelCard(id=name, root=lora.lora_path, parent=ctx.model_names[0],
+                              max_model_len=info.max_model_len) for name, lora in list(ctx.loras.items())]
         return Response(P.ModelList(data=cards).model_dump_json(), media_type="application/json")
 
     if runtime_updating_allowed(args.allow_runtime_lora_updating):
@@ -206,10 +216,9 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
 
     @app.get("/health")
     async def health() -> Response:
-        if aengine.alive:
-            return JSONResponse({"status": "ok"})
-        why = f"the engine is dead: {aengine.error!r}" if aengine.error else "the engine is not running"
-        return JSONResponse(P.error_body(why, "service_unavailable", code="engine_dead"), status_code=503)
+        status, body = aengine.health()  # ok; restarting (with its phase) or draining, with Retry-After; dead
+        retry = status == 503 and body["status"] in ("restarting", "draining")
+        return JSONResponse(body, status_code=status, headers={"Retry-After": str(RETRY_AFTER_S)} if retry else None)
 
     @app.get("/version")
     async def version() -> Response:

@@ -23,7 +23,9 @@ from conveyor.config import EngineConfig
 # "Server disconnected without sending a response" for a request the server never saw.
 KEEP_ALIVE_S = 20.0
 
-ENGINE_LOOPS = ("thread", "process", "inline")  # conveyor/engine/engine_loop.py
+ENGINE_LOOPS = ("thread", "process", "inline")  # conveyor/engine/clients.py
+DEFAULT_ENGINE_LOOP = "thread"  # docs/engine-loop.md has the measurements behind it; the one place to change it
+RETRY_AFTER_S = 1  # what a server that is loading, restarting its engine or draining tells clients to wait
 SERVER_GROUPS = {"server": "server", "tools": "tools and templates", "embeddings": "embeddings"}  # --help order
 
 
@@ -76,12 +78,22 @@ class ServerArgs:
         "with Retry-After; bounds what a burst of long prompts holds (default: no limit besides "
         "--max-queued-requests)", type=int)
     engine_loop: str = flag(
-        "thread", "where the engine loop runs: a thread of the server process, its own process, or the event loop "
-        "itself (the naive design, for comparison); docs/engine-loop.md has the measurements behind the choice",
-        choices=ENGINE_LOOPS)
+        DEFAULT_ENGINE_LOOP, "where the engine loop runs: a thread of the server process, its own process, or the "
+        "event loop itself (the naive design, for comparison); docs/engine-loop.md has the measurements behind the "
+        "choice, docs/reliability.md what each survives (a process can be killed and restarted; in a thread, only "
+        "a step that raises can)", choices=ENGINE_LOOPS)
     max_request_bytes: int = flag(8 * 2**20, "larger bodies get 413", type=int)
     shutdown_timeout: float = flag(
-        10.0, "seconds in-flight requests get to finish on SIGTERM/SIGINT before they are aborted", type=float)
+        10.0, "on SIGTERM or a first Ctrl-C, seconds in-flight requests get to finish while new ones get 503 "
+        "draining; then what is left ends with an error and the server exits 0 (a second Ctrl-C exits at once)",
+        type=float)
+    max_engine_restarts: int = flag(
+        5, "when the engine dies (its process killed or crashed, a step raised) the server fails the requests that "
+        "were running, keeps the waiting ones and starts a new engine; more than this many engine deaths within "
+        "--engine-restart-window seconds is a crash loop: the server exits 1 for its supervisor to act (0: exit on "
+        "the first death)", type=int)
+    engine_restart_window: float = flag(
+        600.0, "the window, in seconds, over which --max-engine-restarts counts engine deaths", type=float)
     request_timeout: float | None = flag(
         None, "seconds from arrival after which a request still running is aborted and its blocks freed: 408 "
         "request_timeout, or an error event in its stream (default: none)", type=float)

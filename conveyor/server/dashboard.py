@@ -27,9 +27,10 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
 from importlib import resources
+from typing import Any
 
-from conveyor.engine.engine_loop import EngineClient, LoopOutput, SnapshotKV
 from conveyor.engine.llm_engine import EngineSnapshot
+from conveyor.engine.messages import LoopOutput, SnapshotKV
 
 log = logging.getLogger("conveyor.server")
 
@@ -86,9 +87,9 @@ def _pct(xs: list[float], q: float) -> float | None:
 class DashboardHub:
     """Fans the engine's per-step view out to dashboard viewers (see the module docstring)."""
 
-    def __init__(self, client: EngineClient, setup: dict, max_rate_hz: float = 20.0, kv_rate_hz: float = 4.0,
+    def __init__(self, client: Any, setup: dict, max_rate_hz: float = 20.0, kv_rate_hz: float = 4.0,
                  queue_size: int = 8) -> None:
-        self.client = client
+        self.client = client  # asked for KV maps: `.alive`, `.send(cmd)` (the AsyncEngine: whichever engine runs)
         self.setup = setup  # strategy, knobs, pool size: sent once to each new viewer
         self.period = 1.0 / max_rate_hz
         self.kv_period = 1.0 / kv_rate_hz
@@ -134,9 +135,9 @@ class DashboardHub:
         if s is None:
             return
         sec = self._second(out.time)
-        if self._last_gen is not None:
-            sec.gen_tokens += s.generation_tokens - self._last_gen
-            sec.prompt_tokens += s.prompt_tokens - self._last_prompt
+        if self._last_gen is not None:  # (a restarted engine counts from zero again: never a negative second)
+            sec.gen_tokens += max(0, s.generation_tokens - self._last_gen)
+            sec.prompt_tokens += max(0, s.prompt_tokens - self._last_prompt)
         self._last_gen, self._last_prompt = s.generation_tokens, s.prompt_tokens
         sec.running, sec.waiting, sec.kv_used = s.running, s.waiting, s.kv_blocks_used
         st = out.stats

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import socket
@@ -29,11 +30,9 @@ import uvicorn
 from starlette.responses import JSONResponse, Response
 
 from conveyor import startup
-from conveyor.server.args import KEEP_ALIVE_S, ServerArgs
+from conveyor.server.args import KEEP_ALIVE_S, RETRY_AFTER_S, ServerArgs
 
 log = logging.getLogger("conveyor.server")
-
-RETRY_AFTER_S = 1  # what a loading server tells clients to wait before they ask again
 
 
 class LoadingApp:
@@ -182,13 +181,20 @@ class LoadingApp:
 
 
 class GracefulServer(uvicorn.Server):
-    """uvicorn, plus a clean end for in-flight requests on SIGTERM/SIGINT.
+    """uvicorn, plus a drain on SIGTERM or a first SIGINT, and an exit at once on a second SIGINT.
 
-    uvicorn stops accepting and waits `timeout_graceful_shutdown` for open connections, then
-    cancels them mid-body. Here requests get `grace_s` seconds to finish, then the engine aborts
-    them with finish_reason "abort" (streams still end with [DONE]); uvicorn's own timeout is a
-    little longer so it only ever has finished responses to wait for. `app`: the FastAPI app, or a
-    `LoadingApp` (whose real app may not be up yet when the shutdown comes).
+    uvicorn alone stops accepting connections at the first signal (a client then gets "connection
+    refused", and a load balancer's probe cannot tell a server that drains from one that is gone),
+    waits `timeout_graceful_shutdown` for open connections and cancels them mid-body. Here the first
+    signal starts a drain instead: the socket stays open, new requests get 503 `draining` with
+    `Retry-After` and `/health` 503 `draining`, and requests in flight get `grace_s` seconds to finish;
+    what is left then ends with a clear error (`server_shutdown`: a 503, or an error event and
+    [DONE] in a stream; its blocks are freed), and only then does uvicorn shut down (its own timeout
+    is a little longer, so it only ever has finished responses to wait for) and the process exits 0.
+    A second SIGINT exits at once (`forced`). A stop without a signal (`should_exit` set by code: a
+    failed load, a crash loop, tests) still gives in-flight requests `grace_s`, then aborts them with
+    finish_reason "abort". `app`: the FastAPI app, or a `LoadingApp` (whose real app may not be up yet
+    when the shutdown comes: then there is nothing to drain).
     """
 
     def __init__(self, app: Any, grace_s: float, **config_kw) -> None:
@@ -196,6 +202,12 @@ class GracefulServer(uvicorn.Server):
         super().__init__(uvicorn.Config(app, timeout_graceful_shutdown=grace_s + 2.0, lifespan="on", **config_kw))
         self._app = app
         self.grace_s = grace_s
+        self.draining = False  # a signal came: the drain runs (or ran)
+        self.drained = False  # the drain is over: in-flight requests finished or were ended
+        self.forced = False  # a second SIGINT: exit at once
+        self.exit_code = 0  # what `run_server` returns when the server stops by itself (a crash loop: 1)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task | None = None
 
     @property
     def app_state(self) -> Any:
@@ -206,15 +218,62 @@ class GracefulServer(uvicorn.Server):
     @property
     def aengine(self) -> Any:
         state = self.app_state
-        return None if state is None else state.engine
+        return None if state is None else getattr(state, "engine", None)
+
+    @property
+    def drainable(self) -> Any:
+        """What drains on a signal: the app's `drainable` (the replicas' ingress) or its engine. It has
+        `drain()`, `in_flight` and `end_in_flight(why)`."""
+        state = self.app_state
+        return None if state is None else getattr(state, "drainable", None) or getattr(state, "engine", None)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets=sockets)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        """The signal handler (main thread, between two bytecodes of the event loop's thread)."""
+        self._captured_signals.append(sig)
+        if self.draining or self.should_exit:
+            if sig == signal.SIGINT:  # a second Ctrl-C: now
+                log.warning("second interrupt: exiting now, without waiting for requests in flight")
+                self.forced = self.force_exit = self.should_exit = True
+            return
+        if self.drainable is None or self._loop is None:  # still loading: nothing in flight to drain
+            self.should_exit = True
+            return
+        self.draining = True
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        target = self.drainable
+        target.drain()
+        log.info("shutting down: draining %d request(s) in flight, for up to %g s (--shutdown-timeout); new "
+                 "requests get 503 draining", target.in_flight, self.grace_s)
+        deadline = time.monotonic() + self.grace_s
+        while target.in_flight and time.monotonic() < deadline and not self.force_exit:
+            await asyncio.sleep(0.05)
+        if target.in_flight:
+            target.end_in_flight(f"the server is shutting down, and the request did not finish within "
+                                 f"--shutdown-timeout ({self.grace_s:g} s)")
+        self.drained = True
+        self.should_exit = True
 
     async def shutdown(self, *args, **kwargs) -> None:
         state = self.app_state
-        if state is None:  # still loading: nothing in flight to drain
+        if state is None or self.force_exit:  # still loading, or a forced exit: nothing to wait for
             await super().shutdown(*args, **kwargs)
             return
-        state.dashboard.close()  # dashboard streams never end by themselves
-        drain = asyncio.ensure_future(state.engine.abort_all_after(self.grace_s))
+        dashboard = getattr(state, "dashboard", None)
+        if dashboard is not None:
+            dashboard.close()  # dashboard streams never end by themselves
+        if self.drained or self.aengine is None:
+            await super().shutdown(*args, **kwargs)
+            return
+        drain = asyncio.ensure_future(self.aengine.abort_all_after(self.grace_s))
         try:
             await super().shutdown(*args, **kwargs)
         finally:
@@ -244,7 +303,8 @@ def bind_listen_socket(host: str, port: int) -> socket.socket:
 
 
 def run_server(args: argparse.Namespace) -> int:
-    """Serve until SIGTERM/SIGINT; in-flight requests get `--shutdown-timeout` seconds, then exit 0.
+    """Serve until SIGTERM/SIGINT; in-flight requests get `--shutdown-timeout` seconds, then exit 0 (130 after a
+    second SIGINT; 1 when the engine died in a crash loop: `--max-engine-restarts`).
 
     The engine loads behind a `LoadingApp`, except with `--engine-loop inline`, whose engine is
     stepped on the event loop's thread and so is built there, before serving (the naive design)."""
@@ -269,16 +329,29 @@ def run_server(args: argparse.Namespace) -> int:
             server.should_exit = True
 
     def freeze() -> None:
-        from conveyor.engine.engine_loop import freeze_startup_heap
-
         log.info("%d objects of the loaded server frozen out of the garbage collector's full passes",
-                 freeze_startup_heap())
+                 startup.freeze_startup_heap())
+
+    def gave_up(why: str) -> None:  # a crash loop: exit non-zero, so that a supervisor sees it
+        log.critical("exiting with code 1: %s", why)
+        server.exit_code = 1
+        server.should_exit = True
+
+    def refreeze() -> None:  # a new engine in this process (thread loop): the restart unfroze the heap to free the old
+        if not gc.get_freeze_count():
+            freeze()
+
+    def ready() -> None:
+        freeze()
+        aengine = server.aengine
+        aengine.on_restarted = refreeze
+        aengine.on_give_up = gave_up
 
     if sargs.engine_loop == "inline":
         app: Any = load()
         freeze()
     else:
-        app = LoadingApp(load, on_failure=failed, on_ready=freeze)
+        app = LoadingApp(load, on_failure=failed, on_ready=ready)
     server = GracefulServer(app, sargs.shutdown_timeout, host=sargs.host, port=sargs.port,
                             log_level=sargs.uvicorn_log_level, access_log=False,
                             timeout_keep_alive=sargs.timeout_keep_alive)
@@ -286,12 +359,11 @@ def run_server(args: argparse.Namespace) -> int:
     # handlers in place underneath its own, that re-raise is swallowed and we return 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID` writes every thread's stack to the log (a stuck server)
-        import faulthandler
-
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    startup.dump_stacks_on_sigusr1()  # `kill -USR1 PID` writes every thread's stack to the log (a stuck server)
     with sock:
         server.run(sockets=[sock])
     if isinstance(app, LoadingApp) and app.error is not None:
         raise app.error  # a ValueError (bad model path, flags) becomes the CLI's one-line error, exit 2
-    return 0 if server.started else 1
+    if server.forced:
+        return 130  # as a shell reports a process ended by Ctrl-C
+    return server.exit_code if server.started else 1

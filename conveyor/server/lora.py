@@ -23,7 +23,8 @@ from starlette.responses import Response
 from conveyor.config import json_object
 from conveyor.lora.adapter import AdapterError, LoRASpec, check_adapter
 from conveyor.lora.request import LoRARequest
-from conveyor.server.serving import ApiError, OpenAIServing, bad_request
+from conveyor.server.http import ApiError, bad_request
+from conveyor.server.serving import ServingContext
 
 RUNTIME_ENV = "CONVEYOR_ALLOW_RUNTIME_LORA_UPDATING"  # as vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING
 
@@ -47,7 +48,7 @@ class LoRARegistry:
     """The adapter names this server answers to, each with the id the engine knows it by (never reused:
     unloading and loading a name again gives it a fresh id, so no stale weights or cached K/V apply)."""
 
-    def __init__(self, serving: OpenAIServing, spec: LoRASpec | None) -> None:
+    def __init__(self, serving: ServingContext, spec: LoRASpec | None) -> None:
         self.serving = serving
         self.spec = spec
         self._ids = itertools.count(1)
@@ -73,7 +74,8 @@ class LoRARegistry:
         return self.serving.loras.pop(name, None)
 
 
-def register_lora_modules(serving: OpenAIServing, spec: LoRASpec | None, modules: list[str] | None) -> LoRARegistry:
+def register_lora_modules(serving: ServingContext, spec: LoRASpec | None, modules: list[str] | None
+                          ) -> LoRARegistry:
     """Name the `--lora-modules` adapters; any bad one is a ValueError (the server does not start)."""
     registry = LoRARegistry(serving, spec)
     for text in modules or ():

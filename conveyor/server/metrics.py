@@ -28,6 +28,7 @@ from prometheus_client.registry import Collector
 from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import EngineInfo
 from conveyor.outputs import FinishReason
+from conveyor.request import tenant_name
 from conveyor.scheduler.policies import POLICIES
 
 disable_created_metrics()  # no `_created` series, as in vLLM: they double the output for nothing
@@ -92,7 +93,8 @@ class _EngineCollector(Collector):
             c.add_metric(value, v)
             return c
 
-        yield gauge("engine_alive", "1 while the engine thread runs, 0 once it died.", float(s.alive))
+        yield gauge("engine_alive", "1 while the engine serves; 0 while it restarts, or once it died for good.",
+                    float(s.alive))
         yield gauge("num_requests_running", "Sequences in the running batch.", s.running)
         yield gauge("num_requests_waiting", "Sequences waiting to be scheduled.", s.waiting)
         yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", s.kv_usage)
@@ -167,9 +169,7 @@ class TenantLabels:
         self.named: set[str] = set()
 
     def __call__(self, tenant: str | None) -> str:
-        from conveyor.request import DEFAULT_TENANT
-
-        t = tenant if tenant is not None else DEFAULT_TENANT
+        t = tenant_name(tenant)
         if t in self.named:
             return t
         if len(self.named) < self.max_tenants and t != OTHER_TENANT:
@@ -247,6 +247,16 @@ class ServerMetrics:
                                            registry=self.registry)
         self.lora_requests = Counter("conveyor:lora_requests", "Requests received per LoRA adapter.",
                                      labels + ["lora_name"], registry=self.registry)
+        # supervision (server/async_engine.py): the engine died and a new one was started
+        self.engine_restarts = Counter("conveyor:engine_restarts", "New engines started after the engine died, by "
+                                       "cause: the signal that killed the engine process (SIGKILL, SIGSEGV...), "
+                                       "exit (it exited by itself), exception (a step raised), start_failed (the "
+                                       "previous new engine did not start).", labels + ["cause"],
+                                       registry=self.registry)
+        self.engine_restart_requests = Counter("conveyor:engine_restart_requests", "Requests open when the engine "
+                                               "died: failed (they were running: 500 engine_restarted) or requeued "
+                                               "(not started yet: sent to the new engine).", labels + ["outcome"],
+                                               registry=self.registry)
         # Pre-create the common label sets so they show up (as 0) before the first request.
         for reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT):
             self.request_success.labels(model_name, reason)
@@ -255,6 +265,15 @@ class ServerMetrics:
             self.tool_calls.labels(model_name, mode)
         for c in (self.embedding_requests, self.embedding_inputs, self.embedding_prompt_tokens):
             c.labels(model_name)
+        for outcome in ("failed", "requeued"):
+            self.engine_restart_requests.labels(model_name, outcome)
+
+    def observe_restart(self, cause: str, failed: int, requeued: int) -> None:
+        """A new engine is being started after the engine died of `cause`; `failed` requests were lost with
+        it, `requeued` will run on the new one."""
+        self.engine_restarts.labels(self.model_name, cause).inc()
+        self.engine_restart_requests.labels(self.model_name, "failed").inc(failed)
+        self.engine_restart_requests.labels(self.model_name, "requeued").inc(requeued)
 
     def observe_tool_calls(self, mode: str, num_calls: int) -> None:
         """One chat choice answered with `num_calls` tool calls."""

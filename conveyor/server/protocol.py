@@ -59,7 +59,22 @@ class StructuredOutputsField(_Request):
     json_object: Bool | None = None
 
 
-class _SamplingFields(_Request):
+class EngineFields(_Request):
+    """The per-request fields every endpoint that reaches the engine takes, read in one place
+    (`OpenAIServing.engine_requests`) into the request record (`conveyor.request.EngineRequest`): who it is
+    for (`user`, or the server's `--tenant-key` rule), its priority, its prefix-cache salt and its latency
+    targets. A new per-request field goes here, into the record, and into the code that reads it."""
+
+    user: Str | None = None
+    priority: Int64 = 0  # vLLM extra: lower is served first
+    # prefix-cache isolation (vLLM): requests share cached KV blocks only with requests of the same salt
+    cache_salt: Annotated[StrictStr, Field(min_length=1, max_length=256)] | None = None
+    # latency targets in ms (vLLM-style extras; default: the server's --slo-ttft-ms / --slo-tpot-ms)
+    slo_ttft_ms: Annotated[float, Field(strict=True, gt=0, allow_inf_nan=False)] | None = None
+    slo_tpot_ms: Annotated[float, Field(strict=True, gt=0, allow_inf_nan=False)] | None = None
+
+
+class _SamplingFields(EngineFields):
     """Fields shared by completions and chat (OpenAI's plus vLLM's extras)."""
 
     model: Str | None = None
@@ -73,7 +88,6 @@ class _SamplingFields(_Request):
     seed: Int64 | None = None
     presence_penalty: Float = 0.0
     frequency_penalty: Float = 0.0
-    user: Str | None = None
     logit_bias: dict[Str, Float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
     # vLLM extras
     ignore_eos: Bool = False
@@ -81,16 +95,10 @@ class _SamplingFields(_Request):
     top_k: Annotated[StrictInt, Field(ge=-1, le=2**31 - 1)] | None = None
     min_p: Float | None = None
     repetition_penalty: Float | None = None
-    priority: Int64 = 0
-    # latency targets in ms (vLLM-style extras; default: the server's --slo-ttft-ms / --slo-tpot-ms)
-    slo_ttft_ms: Annotated[float, Field(strict=True, gt=0, allow_inf_nan=False)] | None = None
-    slo_tpot_ms: Annotated[float, Field(strict=True, gt=0, allow_inf_nan=False)] | None = None
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: Bool = True
     include_stop_str_in_output: Bool = False
     prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
-    # prefix-cache isolation (vLLM): requests share cached KV blocks only with requests of the same salt
-    cache_salt: Annotated[StrictStr, Field(min_length=1, max_length=256)] | None = None
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* names
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
@@ -186,15 +194,13 @@ class TokenizeRequest(_Request):
     tools: list[ToolDef] | None = None
 
 
-class EmbeddingRequest(_Request):
+class EmbeddingRequest(EngineFields):
     """OpenAI's /v1/embeddings: one or many inputs, as text or token ids."""
 
     model: Str | None = None
     input: PromptField
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[StrictInt, Field(ge=1, le=2**31 - 1)] | None = None
-    user: Str | None = None
-    priority: Int64 = 0  # vLLM extra
 
 
 class DetokenizeRequest(_Request):

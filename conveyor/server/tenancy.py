@@ -1,17 +1,19 @@
-"""Who a request is served for (its tenant), and its latency targets, from the HTTP request.
+"""Who a request is served for (its tenant), from the HTTP request.
 
 The tenant is the OpenAI `user` field by default (the field OpenAI defines to identify an end user);
 `--tenant-key api-key` makes it the API key the client presented (several keys: `--api-key k1,k2`),
 `--tenant-key header:NAME` the value of a header. A request that names none belongs to the default
-tenant. An API key is never used as a name as it is (names show up in /metrics and logs): it becomes
-`key-` and the first 12 hex digits of its SHA-256. Nothing here knows any scheduling strategy: the
-tenant and the targets are plain request fields that strategies may read.
+tenant (`conveyor.request.tenant_name`). An API key is never used as a name as it is (names show up in
+/metrics and logs): it becomes `key-` and the first 12 hex digits of its SHA-256. Nothing here knows any
+scheduling strategy: the tenant is a plain field of the request record that strategies may read.
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+
+from conveyor.server.http import bearer_token
 
 MAX_TENANT_CHARS = 256
 
@@ -38,14 +40,9 @@ class TenantRule:
         elif self.source == "header":
             name = headers.get(self.header)
         else:
-            auth = headers.get("authorization", "")
-            key = auth[7:] if auth[:7].lower() == "bearer " else ""
+            key = bearer_token(headers)
             name = "key-" + hashlib.sha256(key.encode()).hexdigest()[:12] if key else None
         if not name:
             return None
         return name[:MAX_TENANT_CHARS]
 
-
-def slo_seconds(ms: float | None) -> float | None:
-    """A request's latency target in seconds (None: the engine's default, `--slo-ttft-ms` / `--slo-tpot-ms`)."""
-    return ms / 1000.0 if ms is not None else None

@@ -47,10 +47,10 @@ def test_in_process_run_spreads_over_adapters(tiny_llama, adapters, tmp_path, mo
     seen: list[str | None] = []
     real = LLMEngine.add_request
 
-    def add_request(self, *a, **kw):
-        lora = kw.get("lora_request")
+    def add_request(self, request):
+        lora = request.lora_request
         seen.append(lora.lora_name if lora is not None else None)
-        return real(self, *a, **kw)
+        return real(self, request)
 
     monkeypatch.setattr(LLMEngine, "add_request", add_request)
     out = tmp_path / "r.json"

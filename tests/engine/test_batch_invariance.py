@@ -21,6 +21,7 @@ import torch
 
 from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
+from conveyor.request import make_request
 from conveyor.runner import model_runner
 from conveyor.sampling_params import SamplingParams
 from tests.conftest import build_tiny_llama
@@ -84,16 +85,17 @@ def run(eng: LLMEngine, probes: dict, crowd: dict, sampled: bool, top1: dict, mi
         order = list(probes) + list(crowd)
     for rid in order:
         if rid in probes:
-            eng.add_request(probes[rid], probe_params(rid, sampled), request_id=rid, priority=2 if mixed else 0)
+            eng.add_request(make_request(probes[rid], probe_params(rid, sampled), request_id=rid,
+                                         priority=2 if mixed else 0))
             continue
         if mixed and rid == "crowd0":
             for _ in range(12):  # every probe is running (and decoding) when the crowd comes
                 step()
         ids, n = crowd[rid]
         k = int(rid[5:])
-        extra = dict(priority=k % 2, tenant=f"t{k % 4}", slo_ttft_s=0.05 * (1 + k % 5)) if mixed else {}
-        eng.add_request(ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), request_id=rid,
-                        **extra)
+        extra = dict(priority=k % 2, tenant=f"t{k % 4}", slo_ttft_ms=50 * (1 + k % 5)) if mixed else {}
+        eng.add_request(make_request(ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
+                                     request_id=rid, **extra))
     eng.end_input()  # offline: static batches may flush, as LLM.generate does
     while eng.has_unfinished_requests():
         step()

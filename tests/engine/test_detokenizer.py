@@ -12,7 +12,7 @@ import pytest
 
 from conveyor import LLM, SamplingParams
 from conveyor.engine.output_processor import Detokenizer
-from conveyor.request import Request
+from conveyor.request import Request, make_request
 
 MULTIBYTE = "日本語のテキストと中文文本 🎉🚀😀 café, naïve. 😀 ok 中文"
 REPLACEMENT = "\ufffd"
@@ -101,7 +101,7 @@ def test_streamed_deltas_add_up_to_the_final_text(llm):
     prompts = ["日本語のテキスト", "Hello world! How are you", "emoji 🎉🚀", "café naïve"]
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=20, ignore_eos=True) for i in range(3)]
     params.append(SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=["e"]))
-    reqs = [eng.add_request(tok.encode(p), sp)[0] for p, sp in zip(prompts, params)]
+    reqs = [eng.add_request(make_request(tok.encode(p), sp))[0] for p, sp in zip(prompts, params)]
     chunks: dict[str, list[str]] = {r.request_id: [] for r in reqs}
     finished = set()
     while eng.has_unfinished_requests():

@@ -15,6 +15,7 @@ from conveyor import LLM
 from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.pooling import PoolingParams
+from conveyor.request import make_request
 from conveyor.sampling_params import SamplingParams
 
 
@@ -49,11 +50,11 @@ def test_mean_pooled_prompt_preempted_half_way_starts_its_sum_over(tiny_llama, h
     """A 20-block pool: a growing generation pushes out the (newer) embedding request mid-prompt; it is
     recomputed later and its mean is still HF's."""
     e = _engine(tiny_llama, num_kv_blocks=20, max_model_len=320, max_num_batched_tokens=32)
-    e.add_request(list(range(10, 260)), SamplingParams(max_tokens=60, ignore_eos=True, temperature=0))
+    e.add_request(make_request(list(range(10, 260)), SamplingParams(max_tokens=60, ignore_eos=True, temperature=0)))
     while not any(d.new_token_ids for d in e.step().deltas):  # its 250-token prompt: 16 of the 20 blocks
         pass
     emb_ids = list(range(50, 200))
-    e.add_request(emb_ids, SamplingParams(max_tokens=1), request_id="emb", pooling=PoolingParams("mean"))
+    e.add_request(make_request(emb_ids, SamplingParams(max_tokens=1), request_id="emb", pooling=PoolingParams("mean")))
     got = None
     while e.has_unfinished_requests():
         for d in e.step().deltas:
@@ -70,7 +71,8 @@ def test_embeddings_among_32_streams_never_stall_one(tiny_llama, hf_tiny):
     e = _engine(tiny_llama)
     gens = {f"g{i}": list(range(5 + i, 25 + i)) for i in range(32)}
     for rid, ids in gens.items():
-        e.add_request(ids, SamplingParams(max_tokens=40, ignore_eos=True, temperature=1.0, seed=1), request_id=rid)
+        e.add_request(make_request(ids, SamplingParams(max_tokens=40, ignore_eos=True, temperature=1.0, seed=1),
+                                   request_id=rid))
     rng = np.random.default_rng(0)
     pending = [(f"e{i}", rng.integers(3, 390, size=int(rng.integers(5, 200))).tolist(), "last" if i % 2 else "mean")
                for i in range(24)]
@@ -82,7 +84,8 @@ def test_embeddings_among_32_streams_never_stall_one(tiny_llama, hf_tiny):
     while e.has_unfinished_requests():
         if started and pending:  # three new embedding requests per step once the streams run
             for rid, ids, method in pending[:3]:
-                e.add_request(ids, SamplingParams(max_tokens=1), request_id=rid, pooling=PoolingParams(method))
+                e.add_request(make_request(ids, SamplingParams(max_tokens=1), request_id=rid,
+                                           pooling=PoolingParams(method)))
             del pending[:3]
         decoding = started - finished
         out = e.step()
@@ -108,9 +111,9 @@ def test_embedding_requests_take_no_grammar_and_no_n(tiny_llama):
 
     e = _engine(tiny_llama)
     with pytest.raises(ValueError, match="samples nothing"):
-        e.add_request([1, 2, 3], SamplingParams(n=2), pooling=PoolingParams())
+        e.add_request(make_request([1, 2, 3], SamplingParams(n=2), pooling=PoolingParams()))
     with pytest.raises(ValueError, match="samples nothing"):
-        e.add_request([1, 2, 3], SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")),
-                      pooling=PoolingParams())
+        e.add_request(make_request([1, 2, 3], SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")),
+                                   pooling=PoolingParams()))
     with pytest.raises(ValueError, match="pooling must be one of"):
         PoolingParams("max")

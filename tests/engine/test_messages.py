@@ -6,13 +6,15 @@ import json
 import pickle
 from dataclasses import fields
 
-from conveyor.engine.engine_loop import AddRequest, EngineFailed, EngineReady, FailedAdd, LoopOutput, LoopState
+from conveyor.engine.loop import LoopState
+from conveyor.engine.messages import EngineFailed, EngineReady, FailedAdd, LoopOutput
 from conveyor.outputs import FinishReason, StepDelta
+from conveyor.request import EngineRequest
 from conveyor.sampling_params import ParamError, SamplingParams
 
 
 def test_step_delta_and_loop_output_have_no_free_form_dicts() -> None:
-    for cls in (StepDelta, LoopOutput, AddRequest, FailedAdd, EngineReady, EngineFailed):
+    for cls in (StepDelta, LoopOutput, EngineRequest, FailedAdd, EngineReady, EngineFailed):
         loose = [f.name for f in fields(cls) if str(f.type).replace(" ", "") in ("dict", "dict|None")]
         assert not loose, (cls.__name__, loose)
 

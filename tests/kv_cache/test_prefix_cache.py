@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conveyor import LLM, SamplingParams
+from conveyor.request import make_request
 
 BS = 4
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -73,7 +74,7 @@ def test_cache_salt_isolates_tenants(engines):
     prompt = BASE[:13]
     for salt, expect_hit in ((None, False), (None, True), ("tenant-b", False)):
         before = eng.kv.prefix_hits
-        eng.add_request(prompt, GREEDY, cache_salt=salt)
+        eng.add_request(make_request(prompt, GREEDY, cache_salt=salt))
         while eng.has_unfinished_requests():
             eng.step()
         assert (eng.kv.prefix_hits > before) == expect_hit, salt
@@ -84,7 +85,8 @@ def test_parallel_samples_share_prompt_blocks(engines):
     eng = cached.engine
     eng.kv.pool.reset_cache()
     prompt = [9 + i % 50 for i in range(41)]  # 10 full blocks + 1 token
-    reqs = eng.add_request(prompt, SamplingParams(n=4, max_tokens=5, temperature=1.0, seed=3, ignore_eos=True))
+    reqs = eng.add_request(make_request(prompt, SamplingParams(n=4, max_tokens=5, temperature=1.0, seed=3,
+                                                                ignore_eos=True)))
     peak = 0
     while eng.has_unfinished_requests():
         eng.step()

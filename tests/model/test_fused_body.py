@@ -14,6 +14,7 @@ from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.model import packed_linear
 from conveyor.model.quantization import int4_kernel_fits, quantize_int4
+from conveyor.request import make_request
 from conveyor.runner import model_runner
 from conveyor.sampling_params import SamplingParams
 from tests.conftest import build_tiny_llama
@@ -50,7 +51,7 @@ def generate(model_dir, monkeypatch, fused: bool, **config) -> tuple[dict, dict,
     for i in range(12):
         prompt = [rng.randrange(10, 300) for _ in range(rng.randrange(3, 150))]
         params = SamplingParams(max_tokens=24, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True)
-        eng.add_request(prompt, params, request_id=f"r{i}")
+        eng.add_request(make_request(prompt, params, request_id=f"r{i}"))
     while eng.has_unfinished_requests():
         for d in eng.step().deltas:
             tokens[d.group_id].extend(d.new_token_ids)

@@ -9,6 +9,7 @@ conformant, so a mismatch points at our loader, not at the writer.
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import numpy as np
@@ -26,10 +27,32 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_llama_gguf(path, hf_dir, arch: str = "llama", qtype: str | None = None, quantize=None) -> None:
+def llama3_rope_factors(cfg: dict) -> np.ndarray:
+    """convert_hf_to_gguf.py's rope_freqs for llama3 RoPE scaling: each frequency's divisor."""
+    rope = cfg["rope_parameters"]
+    dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(out, dtype=torch.float32).numpy()
+
+
+def write_llama_gguf(path, hf_dir, arch: str = "llama", qtype: str | None = None, rope_freqs: bool = True,
+                     quantize=None) -> None:
     """Write the HF checkpoint in `hf_dir` as an F32 GGUF with its tokenizer and chat template
-    (`qtype`, e.g. "Q4_1": the layers' linear weights quantized as llama.cpp would; `quantize(name, array)`:
-    a tensor's (blocks, GGMLQuantizationType) to write instead, or None for F32)."""
+    (`qtype`, e.g. "Q4_1": the layers' linear weights and the embedding quantized as llama.cpp would;
+    llama3 RoPE scaling as a rope_freqs tensor, as llama.cpp's converter writes it, unless `rope_freqs` is off;
+    `quantize(name, array)`: a tensor's (blocks, GGMLQuantizationType) to write instead, or None for F32)."""
     import gguf
     from safetensors.torch import load_file
 
@@ -82,6 +105,8 @@ def write_llama_gguf(path, hf_dir, arch: str = "llama", qtype: str | None = None
         else:
             w.add_tensor(name, t)
 
+    if rope_freqs and (cfg.get("rope_parameters") or {}).get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(cfg))
     add("token_embd.weight", sd.pop("model.embed_tokens.weight"))
     w.add_tensor("output_norm.weight", sd.pop("model.norm.weight"))
     if "lm_head.weight" in sd:
@@ -182,11 +207,11 @@ def test_gguf_with_separate_tokenizer(tiny_gguf, tiny_llama, hf_tiny):
     assert out.outputs[0].token_ids == hf_greedy(hf_tiny, out.prompt_token_ids, N_NEW)
 
 
-def test_gguf_directory_and_weight_cache(tiny_gguf, tmp_path):
-    """A directory holding one .gguf resolves to it; a second load comes from the dequantized cache."""
+def test_gguf_directory_and_no_weight_cache(tiny_gguf, tmp_path):
+    """A directory holding one .gguf resolves to it; no dequantized copy of the weights is written to disk (an
+    8B file's would be 32 GB of fp32): a second load converts the file again, to the same model."""
     first = LLM(str(tiny_gguf.parent), dtype="float32", num_kv_blocks=16, max_model_len=128)
-    cache = tmp_path / "conveyor-cache" / "weights"
-    assert list(cache.glob("*.safetensors")), "dequantized weights were not cached"
+    assert not list((tmp_path / "conveyor-cache").rglob("*.safetensors"))
     second = LLM(str(tiny_gguf), dtype="float32", num_kv_blocks=16, max_model_len=128)
     assert vars(second.engine.model_config) == vars(first.engine.model_config)
     sp = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True)
@@ -210,6 +235,35 @@ def test_tied_gguf_without_output_tensor(tmp_path_factory):
     p = prompts(hf.config.vocab_size)[2]
     got = llm.generate([p], SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True), use_tqdm=False)
     assert got[0].outputs[0].token_ids == hf_greedy(hf, p, N_NEW)
+
+
+def test_gguf_llama3_rope_scaling(tmp_path_factory):
+    """Llama 3.x's RoPE scaling reaches a GGUF as per-frequency factors (rope_freqs): served as HF serves the
+    config's llama3 scaling. Without them (the loader used to drop the tensor) the same file's logits differ."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import build_tiny_llama
+
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    hf_dir = build_tiny_llama(tmp_path_factory.mktemp("llama3-rope"), seed=7, rope_parameters=rope)
+    hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    logits = {}
+    for with_factors in (True, False):
+        path = hf_dir / f"rope-{with_factors}.gguf"
+        write_llama_gguf(path, hf_dir, rope_freqs=with_factors)
+        llm = LLM(str(path), dtype="float32", num_kv_blocks=32, max_model_len=256)
+        ids = prompts(hf.config.vocab_size)[3]
+        logits[with_factors] = prompt_logits(llm, ids)
+        if with_factors:
+            assert llm.engine.model_config.rope_scaling["rope_type"] == "freq_factors"
+            got = llm.generate([ids], SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True), use_tqdm=False)
+            assert got[0].outputs[0].token_ids == hf_greedy(hf, ids, N_NEW)
+    with torch.inference_mode():
+        want = hf(torch.tensor([ids])).logits[0].float()
+    scale = want.abs().max().item()
+    assert (logits[True] - want).abs().max().item() < 1e-4 * scale
+    assert (logits[False] - want).abs().max().item() > 1e-2 * scale
 
 
 def test_unsupported_gguf_architecture_is_named(tmp_path):
@@ -248,7 +302,7 @@ def test_gguf_kept_quantized_matches_dequantized(qtype, method, tiny_llama, tmp_
     if method == "int4":  # the file's own blocks: the same weight as the dequantized file, value for value
         from conveyor.model.loader import load_checkpoint
 
-        t = load_checkpoint(str(path), quantization="none").tensors
+        t = load_checkpoint(str(path)).tensors
         want = torch.cat([t[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
         torch.testing.assert_close(qkv.reference_weight.dequantize(), want, atol=0, rtol=0)
     ids = prompts(dense.engine.model_config.vocab_size)[2]

@@ -160,20 +160,16 @@ def test_bad_weights_are_refused(ops):
         ops.gguf_dequant_rows(12, lin.packed, 16, 256, torch.tensor([16]))
 
 
-class _T:
-    """A GGUFReader tensor, as far as keep_policy and kept look at one."""
+def _T(name: str, qtype: str, shape: tuple[int, int], nbytes: int = 100):
+    """A tensor of a GGUF file's header, as the loader reads it (`shape` in numpy order: rows, cols)."""
+    from conveyor.model.loader import GGUFTensor
 
-    def __init__(self, name: str, qtype: str, shape: tuple[int, int], nbytes: int = 100) -> None:
-        import gguf
-
-        self.name, self.tensor_type, self.shape, self.n_bytes = name, gguf.GGMLQuantizationType[qtype], shape, nbytes
-        self.data = np.zeros(shape[1] * shape[0] // G.BLOCKS.get(qtype, (1, 1))[0] * G.BLOCKS.get(qtype, (1, 1))[1],
-                             dtype=np.uint8)
+    return GGUFTensor("", name, qtype, shape, 0, nbytes)
 
 
 def test_without_kernels_every_file_is_dequantized(monkeypatch):
     monkeypatch.setattr(G, "kernels_available", lambda: False)
-    q4k = [_T("blk.0.attn_q.weight", "Q4_K", (256, 32), 1000)]
+    q4k = [_T("blk.0.attn_q.weight", "Q4_K", (32, 256), 1000)]
     assert G.keep_policy(q4k, None) == frozenset() and G.keep_policy(q4k, "gguf") == frozenset()
 
 
@@ -181,8 +177,8 @@ def test_which_files_are_kept_by_default():
     """A file that is mostly a kernel type keeps its blocks; mostly Q4_1 (the built-in model) or floats is
     dequantized as before; `gguf` keeps any kernel type, `none`/`int8`/`int4` none."""
     def file(main: str) -> list:
-        return [_T("token_embd.weight", "Q8_0", (256, 32)), _T("blk.0.attn_q.weight", main, (256, 32), 1000),
-                _T("blk.0.ffn_down.weight", "Q6_K", (256, 32), 500), _T("blk.0.attn_norm.weight", "F32", (256, 1))]
+        return [_T("token_embd.weight", "Q8_0", (32, 256)), _T("blk.0.attn_q.weight", main, (32, 256), 1000),
+                _T("blk.0.ffn_down.weight", "Q6_K", (32, 256), 500), _T("blk.0.attn_norm.weight", "F32", (256,))]
 
     for main in ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q5_0", "Q5_1"):
         assert G.keep_policy(file(main), None) == frozenset(G.DEFAULT_TYPES), main
@@ -192,10 +188,11 @@ def test_which_files_are_kept_by_default():
     for q in ("none", "int8", "int4"):
         assert G.keep_policy(file("Q4_K"), q) == frozenset()
     keep = frozenset(G.GGML_TYPES)
-    assert G.kept(_T("blk.0.attn_q.weight", "Q4_K", (256, 32)), keep).shape == (32, 256)
-    assert G.kept(_T("blk.0.attn_q.weight", "Q4_K", (256, 24)), keep) is None  # 24 rows: not whole column groups
-    assert G.kept(_T("blk.0.attn_q.weight", "Q2_K", (256, 32)), keep) is None
-    assert G.kept(_T("blk.0.attn_norm.weight", "F32", (256, 1)), keep) is None
+    assert G.keepable("Q4_K", (32, 256), keep)
+    assert not G.keepable("Q4_K", (24, 256), keep)  # 24 rows: not whole column groups
+    assert not G.keepable("Q2_K", (32, 256), keep)
+    assert not G.keepable("F32", (256,), keep)
+    assert not G.keepable("Q6_K", (32, 256), frozenset({"Q4_K"}))
 
 
 # --- a whole model ------------------------------------------------------------------------------------------
@@ -309,18 +306,47 @@ def mapped_kib(path) -> int:
     return total
 
 
-def test_a_kept_tensor_owns_its_bytes_and_lets_the_file_go(kquant_gguf):
-    """kept() packs the tensor (rows permuted first where asked) and drops its pages from the file mapping: the
-    weight is the file's rows, and the process no longer holds them mapped (the mapping's resident size falls)."""
-    import gguf
+def test_a_kept_tensor_is_packed_from_the_mapped_file_and_lets_it_go(kquant_gguf):
+    """The loader's per-tensor hook packs a kept tensor from a mapping of the file (its pages resident while it
+    packs, no copy read first) and lets the mapping go (none of the file resident after); the weight is the
+    file's rows, q/k rows put back in HF's order."""
+    from conveyor.model.loader import GGUFSource, keep_gguf_tensor, unpermute
 
-    reader = gguf.GGUFReader(str(kquant_gguf))
-    t = next(t for t in reader.tensors if t.name == "blk.1.ffn_up.weight")  # 512 x 256 Q4_K: 72 KiB
-    want = np.array(t.data).reshape(int(t.shape[1]), -1)  # reads its pages in
-    before = mapped_kib(kquant_gguf.resolve())
-    flip = lambda a: a[::-1]  # noqa: E731
-    w = G.kept(t, frozenset(G.GGML_TYPES), permute=flip)
-    assert w.qtype == "Q4_K" and w.shape == (512, 256)
-    np.testing.assert_array_equal(w.raw(), want[::-1])
-    assert before - mapped_kib(kquant_gguf.resolve()) >= 64, (before, mapped_kib(kquant_gguf.resolve()))
-    assert G.kept(t, frozenset({"Q6_K"})) is None
+    path = kquant_gguf.resolve()
+    source = GGUFSource(kquant_gguf)
+    types = source.keep_types(None)
+    assert types == frozenset(G.DEFAULT_TYPES)
+    t = source.tensors["model.layers.1.mlp.up_proj.weight"]  # 512 x 256 Q4_K: 72 KiB
+    want = t.raw()
+    inside = []
+    assert t.convert_mapped(lambda view: inside.append(mapped_kib(path)) or view.copy()).shape == want.shape
+    assert inside[0] >= t.n_bytes // 1024 - 4 and mapped_kib(path) == 0, (inside, mapped_kib(path))
+    w = keep_gguf_tensor(t, None, types)
+    assert w.qtype == "Q4_K" and w.shape == (512, 256) and mapped_kib(path) == 0
+    np.testing.assert_array_equal(w.raw(), want)
+    q = source.tensors["model.layers.0.self_attn.q_proj.weight"]
+    assert q.heads == 4
+    np.testing.assert_array_equal(keep_gguf_tensor(q, None, types).raw(), unpermute(q.raw(), 4))
+    assert keep_gguf_tensor(t, None, frozenset({"Q6_K"})) is None
+    assert keep_gguf_tensor(t, "none", source.keep_types("none")) is None
+
+
+def test_kept_blocks_are_counted_at_their_size(kquant_gguf, monkeypatch):
+    """The memory check counts kept blocks at their size (runner/memory.py): its estimate is what the runner
+    holds, for the blocks kept and for the same file dequantized."""
+    from conveyor import LLM
+    from conveyor.model.loader import GGUFSource
+    from conveyor.model.packed_linear import packing_available
+    from conveyor.runner.memory import estimate_weight_bytes
+
+    monkeypatch.setenv("CONVEYOR_QUANT_DENSE_ABOVE", "none")
+    source = GGUFSource(kquant_gguf)
+    packed = packing_available(torch.device("cpu"), torch.bfloat16)
+    for q in (None, "none"):
+        blocks = source.kept_blocks(q)
+        assert bool(blocks) == (q is None)
+        held = LLM(str(kquant_gguf), dtype="bfloat16", num_kv_blocks=8, max_model_len=64,
+                   quantization=q).engine.info.weight_bytes
+        est = estimate_weight_bytes(source.config, 2, None, packed, blocks)
+        assert abs(est - held) <= 0.01 * held, (q, est, held)
+    assert estimate_weight_bytes(source.config, 2, None, packed, source.kept_blocks(None)) < 0.5 * est

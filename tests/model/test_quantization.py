@@ -7,11 +7,13 @@ import numpy as np
 import pytest
 import torch
 
+from conveyor.model import quantization
 from conveyor.model.quantization import (
     QuantizedLinear,
     QuantizedWeight,
     int4_kernel_fits,
     int8_kernel_fits,
+    quantize,
     quantize_int4,
     quantize_int8,
     tune_dense_threshold,
@@ -135,3 +137,38 @@ def test_fused_parts_concatenate():
     assert torch.equal(c.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
     with pytest.raises(ValueError):
         QuantizedWeight.cat([a, quantize_int8(torch.randn(16, 64))])
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_chunked_quantization_gives_the_same_integers(method, monkeypatch):
+    """Quantizing a chunk of rows at a time (bounded fp32 temporaries) is quantizing every row on its own."""
+    w = (torch.randn(100, 64) * torch.rand(100, 1)).to(torch.bfloat16)
+    whole = quantize(w, method, torch.bfloat16)
+    monkeypatch.setattr(quantization, "QUANT_CHUNK_BYTES", 16 * 64 * 4)  # chunks of 16 rows, the last one short
+    chunked = quantize(w, method, torch.bfloat16)
+    assert torch.equal(chunked.q, whole.q) and torch.equal(chunked.scale, whole.scale)
+    assert (whole.zero is None and chunked.zero is None) or torch.equal(chunked.zero, whole.zero)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("method", METHODS)
+def test_reference_weight_is_what_was_packed(method, dtype, monkeypatch):
+    """The unpacked integers are not kept beside the packed ones: `reference_weight` unpacks them, exactly."""
+    w = torch.randn(48, 64)
+    qw = quantize_int8(w, dtype) if method.startswith("int8") else quantize_int4(w, 32, dtype)
+    lin = quantized_linear(method, w, None, dtype, monkeypatch)
+    torch.testing.assert_close(lin.reference_weight.dequantize(), qw.dequantize(), atol=0, rtol=0)
+
+
+def test_dense_copies_only_where_they_fit(monkeypatch, caplog):
+    """Dense copies that would take more than their memory budget are not built (nor timed): every step runs
+    the quantized kernels."""
+    import logging
+
+    monkeypatch.delenv("CONVEYOR_QUANT_DENSE_ABOVE", raising=False)
+    layers = torch.nn.Sequential(*[QuantizedLinear(quantize_int4(torch.randn(64, 64), 32, torch.float32), None,
+                                                   torch.float32) for _ in range(2)])
+    with caplog.at_level(logging.INFO, logger="conveyor.quantization"):
+        assert tune_dense_threshold(layers, 64, memory_budget=2 * 64 * 64 * 4 - 1) is None
+    assert all(m.dense is None and m.batch_invariant for m in layers)
+    assert "dense copies for big steps would take" in caplog.text and "quantized vs dense" not in caplog.text

@@ -4,12 +4,16 @@ requests do not page-fault inside the attention's parallel region); one-off runs
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
+import threading
+import time
 
 import psutil
 
 from conveyor import LLM, SamplingParams
 from conveyor.engine.args import add_engine_args, engine_config_from_args
+from tests.engine.insides import kv_pool_is_zero
 
 POOL_GIB = 0.25
 
@@ -35,7 +39,7 @@ def test_populated_pool_is_resident_and_lazy_one_is_not(tiny_llama):
     assert lazy_growth < 0.5 * pool, "a lazy pool should not be resident before it is used"
     assert eager_growth > 0.9 * pool, "a populated pool should be resident after startup"
     # the contents were left zero (a masked slot must meet 0, never garbage) and outputs do not change
-    assert eager.engine.kv_pool_is_zero()
+    assert kv_pool_is_zero(eager.engine)
     params = SamplingParams(max_tokens=8, temperature=0)
     prompts = [[5, 6, 7, 8, 9], [11, 12]]
     out_lazy = [o.outputs[0].token_ids for o in lazy.generate(prompts, params, use_tqdm=False)]
@@ -79,3 +83,36 @@ def test_cli_default_depends_on_the_command():
     populate = {"kv_cache_populate": True}
     assert engine_config_from_args(parse(["--no-kv-cache-populate"]), populate).kv_cache_populate is False
     assert engine_config_from_args(parse(["--kv-cache-populate"])).kv_cache_populate is True
+
+
+def test_beyond_the_first_part_the_pool_is_faulted_in_in_the_background(tiny_llama, monkeypatch, caplog):
+    """Only the blocks handed out first are faulted in before the engine serves; the rest follows on a thread,
+    contents unchanged, and a new pool stops it (the knob lab rebuilds pools)."""
+    import logging
+
+    import conveyor.runner.model_runner as model_runner
+
+    monkeypatch.setattr(model_runner, "KV_POPULATE_SYNC_BYTES", 16 * 2**20)
+    before = rss()
+
+    def populating() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "conveyor-kv-populate"]
+
+    with caplog.at_level(logging.INFO, logger="conveyor.runner"):
+        llm = make(tiny_llama, True)
+        assert "on a background thread" in caplog.text
+        for thread in populating():
+            thread.join(timeout=60)
+    pool = llm.engine.info.num_kv_blocks * llm.engine.info.bytes_per_block
+    assert "the rest of the pool" in caplog.text
+    assert rss() - before > 0.9 * pool
+    assert kv_pool_is_zero(llm.engine)
+    # a new pool (the knob lab's reset): a background fault-in of the old one is stopped and joined first
+    monkeypatch.setattr(model_runner, "_madvise_populate", lambda t: time.sleep(0.05) or 0)  # a slow fault-in
+    llm.engine.reset(dataclasses.replace(llm.engine.config, kv_cache_memory=POOL_GIB / 2))
+    slow = populating()
+    assert slow
+    llm.engine.reset(dataclasses.replace(llm.engine.config, kv_cache_memory=POOL_GIB / 4))
+    assert not any(t.is_alive() for t in slow)
+    out = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4

@@ -51,13 +51,15 @@ def ray_ok() -> None:
 class ReplicatedServer:
     """`conveyor serve --replicas 2` in its own process (and its own local Ray instance)."""
 
-    def __init__(self, tiny_llama, router: str, api_key: bool = False, extra: tuple[str, ...] = ()) -> None:
+    def __init__(self, tiny_llama, router: str, api_key: bool | str = False, extra: tuple[str, ...] = ()) -> None:
+        """`api_key`: True for `--api-key API_KEY`, or the flag's value (`k1,k2`: several keys)."""
+        keys = API_KEY if api_key is True else api_key
         self.proc = popen_server([
             sys.executable, "-m", "conveyor", "serve", "--replicas", "2", "--router", router, "--replica-cpus", "1",
             "--model", str(tiny_llama), "--served-model-name", MODEL, "--dtype", "float32", "--port", "0",
             "--kv-cache-memory", "0.01", "--max-model-len", "512", "--disable-log-requests",
-            "--uvicorn-log-level", "warning", *(["--api-key", API_KEY] if api_key else []), *extra])
-        self.headers = {"Authorization": f"Bearer {API_KEY}"} if api_key else {}
+            "--uvicorn-log-level", "warning", *(["--api-key", keys] if keys else []), *extra])
+        self.headers = {"Authorization": f"Bearer {keys.split(',')[0]}"} if keys else {}
         self.url = bound_url(self.proc)  # bound before Ray starts
         deadline = time.monotonic() + 240
         while True:
@@ -137,9 +139,15 @@ def shared_prefix_round(server: ReplicatedServer) -> dict[str, list[str]]:
     return placed
 
 
+SECOND_KEY = "test-key-2"
+
+
 @pytest.fixture(scope="module")
 def prefix_server(ray_ok, tiny_llama):
-    s = ReplicatedServer(tiny_llama, "prefix", api_key=True)
+    """Two API keys (API_KEY first) and the tenant from a header: the ingress must keep both rules as the single
+    server does (`test_every_key_and_the_tenant_header_pass_the_ingress`)."""
+    s = ReplicatedServer(tiny_llama, "prefix", api_key=f"{API_KEY},{SECOND_KEY}",
+                         extra=("--tenant-key", "header:x-tenant"))
     yield s
     s.close()
 
@@ -293,3 +301,73 @@ def test_each_replicas_dashboard_through_the_ingress(prefix_server):
         assert setup["strategy"] == "iteration" and setup["model"] == MODEL
     bad = httpx.get(prefix_server.url + "/dashboard/events?replica=7", timeout=30, headers=prefix_server.headers)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "replica"
+
+
+def tenant_counts(server: ReplicatedServer, name: str) -> dict[str, float]:
+    """A per-tenant counter from the replicas' /metrics (through the ingress), summed over replicas."""
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(httpx.get(server.url + "/metrics", timeout=30).text):
+        for s in fam.samples:
+            if s.name == name and "tenant" in s.labels:
+                out[s.labels["tenant"]] = out.get(s.labels["tenant"], 0.0) + s.value
+    return out
+
+
+def test_every_key_and_the_tenant_header_pass_the_ingress(prefix_server):
+    """`--api-key k1,k2` behind replicas: either key is accepted (the ingress checks keys by the single server's
+    rule); `--tenant-key header:NAME`: the header reaches the replica, which counts the request for that tenant,
+    on completions and on embeddings alike."""
+    url = prefix_server.url + "/v1"
+    before = tenant_counts(prefix_server, "conveyor:tenant_generation_tokens_total")
+    before_prompt = tenant_counts(prefix_server, "conveyor:tenant_prompt_tokens_total")
+    for key, team in ((API_KEY, "blue"), (SECOND_KEY, "green")):
+        r = httpx.post(url + "/completions", headers={"Authorization": f"Bearer {key}", "X-Tenant": team}, timeout=120,
+                       json={"model": MODEL, "prompt": f"hello from {team}", "max_tokens": 3, "ignore_eos": True})
+        assert r.status_code == 200, (key, r.text)
+    r = httpx.post(url + "/embeddings", headers={"Authorization": f"Bearer {SECOND_KEY}", "X-Tenant": "red"},
+                   json={"model": MODEL, "input": "embed me"}, timeout=120)
+    assert r.status_code == 200, r.text
+    for bad in (f"{API_KEY},{SECOND_KEY}", "wrong", "test-key-3"):
+        r = httpx.post(url + "/completions", headers={"Authorization": f"Bearer {bad}"}, timeout=30,
+                       json={"model": MODEL, "prompt": "x", "max_tokens": 1})
+        assert r.status_code == 401, bad
+    after = tenant_counts(prefix_server, "conveyor:tenant_generation_tokens_total")
+    after_prompt = tenant_counts(prefix_server, "conveyor:tenant_prompt_tokens_total")
+    assert {t: after[t] - before.get(t, 0.0) for t in ("blue", "green")} == {"blue": 3, "green": 3}, after
+    assert after_prompt.get("red", 0.0) > before_prompt.get("red", 0.0), after_prompt
+
+
+def test_sigterm_drains_the_ingress_then_exits_0(prefix_server):
+    """Last in this module (it stops the shared server). SIGTERM: the ingress answers new requests and
+    /health with 503 draining (Retry-After), the requests it relays (16 of 400 tokens) all finish, then
+    the server exits 0."""
+    import json
+
+    client = prefix_server.client()
+    done: list[int] = []
+
+    def one(i: int) -> None:
+        out = client.completions.create(model=MODEL, prompt=f"drain {i}", max_tokens=400,
+                                        extra_body={"ignore_eos": True})
+        done.append(out.usage.completion_tokens)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while sum(d.get("conveyor:num_requests_running", 0.0) for d in prefix_server.metrics_by_replica().values()) < 8:
+        assert time.monotonic() < deadline, "the requests did not start"
+        time.sleep(0.01)
+    prefix_server.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while (h := httpx.get(prefix_server.url + "/health", timeout=10)).status_code == 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert h.status_code == 503 and h.json()["status"] == "draining" and h.headers["retry-after"], h.text
+    r = httpx.post(prefix_server.url + "/v1/completions", headers=prefix_server.headers, timeout=10,
+                   json={"model": MODEL, "prompt": "late", "max_tokens": 2})
+    assert r.status_code == 503 and json.loads(r.text)["error"]["code"] == "draining", r.text
+    for t in threads:
+        t.join(120)
+    assert done == [400] * 16, done
+    assert prefix_server.proc.wait(120) == 0, server_output(prefix_server.proc)[-3000:]

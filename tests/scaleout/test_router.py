@@ -104,3 +104,28 @@ def test_a_prefix_hit_does_not_use_up_a_turn():
     assert r.pick(a, [0.0, 0.0]).replica == 0
     assert r.pick(a, [0.0, 0.0]).reason == "prefix_hit"
     assert r.pick(b, [0.0, 0.0]).replica == 1  # the new prompt still gets the other, equally idle replica
+
+
+def test_a_draining_or_restarting_replica_gets_no_new_requests():
+    """The ingress routes only to replicas whose engine serves. A replica that drains (it got SIGTERM) or
+    whose engine is restarting still answers the ingress's polls (it is up, and finishes what it has) but
+    is given no new request, not even one whose prefix lives there; once it reports ok again it is."""
+    from conveyor.scaleout.ingress import ReplicaState
+
+    reps = [ReplicaState(i, handle=None, up=True, report={"state": "ok", "running": 0, "waiting": 0})
+            for i in range(3)]
+    r = Router(3, "prefix", imbalance=8)
+    text = SYSTEM_A + "question"
+    home = r.pick(text, [rep.load for rep in reps]).replica
+    reps[home].report = {**reps[home].report, "state": "draining", "running": 2}
+    restarting = (home + 1) % 3
+    reps[restarting].report = {**reps[restarting].report, "state": "restarting"}
+    assert [rep.state for rep in reps][home] == "draining" and reps[home].up and reps[home].load is None
+    assert reps[restarting].load is None
+    picks = {r.pick(text if i % 2 else f"fresh {i}", [rep.load for rep in reps]).replica for i in range(20)}
+    assert picks == {3 - home - restarting}, picks  # only the replica that serves
+    last = 3 - home - restarting
+    reps[last].up = False  # and with none left to serve: no replica (the ingress answers 503 no_replica)
+    assert reps[last].state == "down" and r.pick(text, [rep.load for rep in reps]) is None
+    reps[restarting].report = {**reps[restarting].report, "state": "ok"}  # its new engine serves: requests again
+    assert r.pick(text, [rep.load for rep in reps]).replica == restarting

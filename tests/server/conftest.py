@@ -9,6 +9,7 @@ subprocess instead.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import socket
@@ -24,7 +25,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conveyor.config import EngineConfig
-from conveyor.server.api_server import GracefulServer, ServerArgs, build_app
+from conveyor.server.api_server import ServerArgs, build_app
+from conveyor.server.launch import GracefulServer
 
 API_KEY = "test-key"
 MODEL = "tiny"
@@ -133,7 +135,9 @@ def tiny_config(model_dir, **overrides) -> EngineConfig:
 
 @contextlib.contextmanager
 def run_server(config: EngineConfig, args: ServerArgs | None = None) -> Iterator[Server]:
-    args = args or ServerArgs()
+    """A real server in this process, its engine loop in a thread whatever the default loop is: the tests
+    that use it reach into the engine (`app.state.engine.client.engine`) to slow or break its steps."""
+    args = dataclasses.replace(args or ServerArgs(), engine_loop="thread")
     app = build_app(config, args)
     sock = free_socket()
     port = sock.getsockname()[1]

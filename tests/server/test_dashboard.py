@@ -13,10 +13,8 @@ import httpx
 from fastapi.testclient import TestClient
 
 from conveyor.bench.replay import build_replay_app, replay_runs
-from conveyor.engine.llm_engine import LLMEngine
-from conveyor.sampling_params import SamplingParams
 
-from .conftest import MODEL, tiny_config
+from .conftest import MODEL
 
 LAB_RESULTS = Path(__file__).resolve().parents[2] / "docs" / "lab" / "results.json"
 
@@ -133,25 +131,6 @@ def test_a_slow_viewer_gets_drops_not_a_backlog(server):
         assert q.qsize() <= hub.queue_size and hub.viewers[q] > 0
     finally:
         loop.call_soon_threadsafe(hub.unsubscribe, q)
-
-
-def test_kv_map_shows_shared_and_cached_blocks(tiny_llama):
-    engine = LLMEngine(tiny_config(tiny_llama, num_kv_blocks=64))
-    prompt = list(range(100, 100 + 40))
-    engine.add_request(prompt, SamplingParams(max_tokens=30, ignore_eos=True), request_id="a")
-    engine.step()
-    engine.add_request(prompt, SamplingParams(max_tokens=30, ignore_eos=True), request_id="b")
-    engine.step()
-    m = engine.kv_map()
-    assert m.num_blocks == 64 and m.blocks_per_cell == 1 and sum(m.totals) == 64
-    assert m.totals[3] == 2  # the two full prompt blocks both requests point at
-    assert m.totals[2] + m.totals[3] == engine.snapshot().kv_blocks_used
-    while engine.has_unfinished_requests():
-        engine.step()
-    m = engine.kv_map()
-    assert m.totals[2] == m.totals[3] == 0 and m.totals[1] > 0  # finished: cached, evictable
-    small = engine.kv_map(max_cells=16)
-    assert small.blocks_per_cell == 4 and len(small.cells) == 16
 
 
 def test_replay_of_the_committed_lab_results():

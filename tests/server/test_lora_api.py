@@ -23,6 +23,7 @@ import pytest
 from conveyor import LLM, SamplingParams
 from conveyor.lora import LoRARequest
 from conveyor.server.api_server import ServerArgs, build_app
+from tests.engine.insides import lora_weights_held
 from tests.hf_reference import hf_greedy
 from tests.lora.peft_adapters import ALL_PROJECTIONS, make_adapter, merged_reference
 from tests.server.conftest import API_KEY, MODEL, run_server, tiny_config
@@ -206,7 +207,7 @@ def test_load_unload_under_load_loses_nothing(lora_server, adapter_dirs):
     assert snap["conveyor:num_requests_running"] == 0
     loaded = {r.lora_name for r in engine.list_loras()}  # read between steps: the loop is idle
     assert "cycled" not in loaded and len(loaded) <= 2
-    assert engine.lora_weights_held() <= {r.lora_int_id for r in engine.list_loras()}
+    assert lora_weights_held(engine) <= {r.lora_int_id for r in engine.list_loras()}
 
 
 @pytest.mark.parametrize("case", ["missing", "rank", "malformed", "no-enable-lora", "bad-flag"])

@@ -6,7 +6,7 @@ import json
 
 from pydantic import BaseModel
 
-from conveyor.server.serving import sse_event
+from conveyor.server.streaming import sse_event
 
 TRICKY = "a\u2028b\x85c\u2029d\x1ce\x0bf\rg\nh"  # every character str.splitlines() breaks at
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from conveyor.server.tenancy import TenantRule, slo_seconds
+from conveyor.request import slo_seconds
+from conveyor.server.tenancy import TenantRule
 
 
 def test_tenant_rule_sources():
@@ -40,9 +41,9 @@ def test_tenant_and_targets_reach_the_engine_and_the_metrics(server, client):
     seen = []
     real = engine.add_request
 
-    def recording(*args, **kw):
-        seen.append((kw.get("tenant"), kw.get("slo_ttft_s"), kw.get("slo_tpot_s")))
-        return real(*args, **kw)
+    def recording(request):
+        seen.append((request.tenant, request.slo_ttft_s, request.slo_tpot_s))
+        return real(request)
 
     engine.add_request = recording
     try:

@@ -9,7 +9,7 @@ import sys
 
 SCRIPT = """
 import gc, weakref
-from conveyor.engine.engine_loop import freeze_startup_heap
+from conveyor.startup import freeze_startup_heap
 
 class Node:
     pass
