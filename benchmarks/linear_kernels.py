@@ -2,6 +2,16 @@
 
     python benchmarks/linear_kernels.py [--running 1,64] [--context 280] [--rounds 6]
 
+`--matrices`: the GGUF block-weight kernels (linear_gguf.cpp) against the bf16 path, on the matrices of one layer
+of Llama-3.2-1B and Llama-3.1-8B (q/k/v and gate/up fused as the engine runs them, o, down) and on their LM head
+(vocabulary 128,256), random weights: the time of one layer's matrices in model order and of the head, at each
+row count, and the GB of weights read per second at one row (a decode step streams every weight once). Every
+format's matrices are timed call by call in the same rounds, interleaved, so a noisy moment hits them alike; the
+median round, and the "best": each matrix's fastest call summed (on a busy machine, the least disturbed).
+
+    python benchmarks/linear_kernels.py --matrices [--shapes 1b,8b] [--formats bf16,Q8_0,Q4_0,Q4_K,Q5_K,Q6_K]
+        [--rows 1,16] [--rounds 7] [--out docs/quantization/gguf_kernels.json]
+
 Two engines in one process, identical but for the kernel behind their bf16 linears; their decode steps
 are timed in alternating rounds, so a noisy moment of this shared machine hits both alike. Prints the
 median step time of each and the ratio, and checks that both kernels produced the same greedy tokens
@@ -39,13 +49,130 @@ def build(kernel: str, running: int, context: int, steps: int):
     return engine
 
 
+# (hidden, intermediate, heads x head_dim, kv heads x head_dim, vocabulary): Llama-3.2-1B and Llama-3.1-8B
+SHAPES = {"1b": (2048, 8192, 32 * 64, 8 * 64, 128256), "8b": (4096, 14336, 32 * 128, 8 * 128, 128256)}
+
+
+def layer_matrices(shape: str) -> dict[str, tuple[int, int]]:
+    """name -> (N, K) of one decoder layer's linears as the engine fuses them, and of the LM head."""
+    hidden, inter, q, kv, vocab = SHAPES[shape]
+    return {"qkv": (q + 2 * kv, hidden), "o": (hidden, q), "gate_up": (2 * inter, hidden), "down": (hidden, inter),
+            "lm_head": (vocab, hidden)}
+
+
+def random_gguf_linear(qtype: str, n: int, k: int, seed: int):
+    """A GGUFLinear of random blocks (every byte random but the fp16 scales: valid, model-like magnitudes)."""
+    import numpy as np
+
+    from conveyor.model.gguf_weights import BLOCKS, GGUFLinear, GGUFWeight
+
+    rng = np.random.default_rng(seed)
+    qk, bb = BLOCKS[qtype]
+    raw = rng.integers(0, 256, size=(n * (k // qk), bb), dtype=np.uint8)
+    scale = rng.uniform(1e-4, 1e-3, n * (k // qk)).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    if qtype == "Q6_K":
+        raw[:, 208:210] = scale
+    else:
+        raw[:, 0:2] = scale
+        if qtype in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"):
+            raw[:, 2:4] = scale
+    return GGUFLinear([GGUFWeight.from_raw(qtype, raw.reshape(n, -1), (n, k))], torch.bfloat16)
+
+
+def bf16_linear(n: int, k: int):
+    from conveyor.model.packed_linear import PackedLinear
+
+    lin = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
+    torch.nn.init.normal_(lin.weight, std=0.02)
+    return PackedLinear(lin)
+
+
+def matrices(args) -> None:
+    """--matrices: see the module docstring."""
+    import json
+    import platform
+
+    from conveyor import kernels
+    from conveyor.kernels.variants import cpu_name
+
+    if not getattr(kernels.load(), "gguf_available", lambda: False)():
+        raise SystemExit("no GGUF kernels in this build or on this CPU")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    formats = args.formats.split(",")
+    rows = [int(r) for r in args.rows.split(",")]
+    results: dict = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "machine": platform.machine(),
+                     "variant": kernels.variant(), "shapes": {}}
+    print(f"{cpu_name()}, {torch.get_num_threads()} threads, kernels: {kernels.variant()}", flush=True)
+    for shape in args.shapes.split(","):
+        mats = layer_matrices(shape)
+        mods: dict[str, dict[str, torch.nn.Module]] = {}
+        for f in formats:
+            mods[f] = {name: (bf16_linear(n, k) if f == "bf16" else random_gguf_linear(f, n, k, i))
+                       for i, (name, (n, k)) in enumerate(mats.items())}
+        nbytes = {f: {name: (n * k * 2 if f == "bf16" else m.packed.numel()) for name, (n, k) in mats.items()
+                      for m in [ms[name]]} for f, ms in mods.items()}
+        res = results["shapes"][shape] = {"matrices": {k: list(v) for k, v in mats.items()}, "formats": {}}
+        for m in rows:
+            xs = {k: torch.randn(m, k, dtype=torch.bfloat16) for k in {k for _, k in mats.values()}}
+            # per round, format and matrix: one call's time (each matrix cold: a round reads far more than the caches)
+            times = {f: {name: [] for name in mats} for f in formats}
+            with torch.inference_mode():
+                for f in formats:  # warm: first calls, the bf16 kernel's choice
+                    for name, (_, k) in mats.items():
+                        mods[f][name](xs[k])
+                for _ in range(args.rounds):
+                    for f in formats:
+                        for name, (_, k) in mats.items():
+                            t0 = time.perf_counter()
+                            mods[f][name](xs[k])
+                            times[f][name].append(time.perf_counter() - t0)
+            layer = ("qkv", "o", "gate_up", "down")
+            for f in formats:
+                layer_bytes = sum(nbytes[f][name] for name in layer)
+                lt = statistics.median([sum(ts) for ts in zip(*(times[f][name] for name in layer))])
+                lbest = sum(min(times[f][name]) for name in layer)  # each matrix's least disturbed call
+                ht, hbest = statistics.median(times[f]["lm_head"]), min(times[f]["lm_head"])
+                row = {"layer_ms": round(lt * 1e3, 3), "lm_head_ms": round(ht * 1e3, 3),
+                       "layer_ms_best": round(lbest * 1e3, 3), "lm_head_ms_best": round(hbest * 1e3, 3),
+                       "layer_mb": round(layer_bytes / 1e6, 1), "lm_head_mb": round(nbytes[f]["lm_head"] / 1e6, 1),
+                       "layer_gb_s": round(layer_bytes / lt / 1e9, 1),
+                       "layer_gb_s_best": round(layer_bytes / lbest / 1e9, 1),
+                       "lm_head_gb_s": round(nbytes[f]["lm_head"] / ht / 1e9, 1),
+                       "lm_head_gb_s_best": round(nbytes[f]["lm_head"] / hbest / 1e9, 1)}
+                if "bf16" in times:
+                    bf = statistics.median([sum(ts) for ts in zip(*(times["bf16"][name] for name in layer))])
+                    row["layer_vs_bf16"] = round(bf / lt, 2)
+                    row["layer_vs_bf16_best"] = round(sum(min(times["bf16"][name]) for name in layer) / lbest, 2)
+                res["formats"].setdefault(f, {})[str(m)] = row
+                print(f"{shape} rows={m} {f:5s}: layer {row['layer_ms']:8.2f} ms (best {row['layer_ms_best']:.2f}; "
+                      f"{row['layer_mb']:6.1f} MB, {row['layer_gb_s']:5.1f} GB/s, best {row['layer_gb_s_best']:5.1f}), "
+                      f"head {row['lm_head_ms']:8.2f} ms (best {row['lm_head_ms_best']:.2f}, "
+                      f"{row['lm_head_gb_s_best']:5.1f} GB/s)"
+                      + (f", {row['layer_vs_bf16']:.2f}x bf16's layer (best {row['layer_vs_bf16_best']:.2f}x)"
+                         if "layer_vs_bf16" in row else ""), flush=True)
+        del mods
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(results, fh, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--matrices", action="store_true", help="GGUF block-weight kernels against bf16, per matrix")
+    ap.add_argument("--shapes", default="1b,8b")
+    ap.add_argument("--formats", default="bf16,Q8_0,Q4_0,Q4_K,Q5_K,Q6_K")
+    ap.add_argument("--rows", default="1,16")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--running", default="1,64")
     ap.add_argument("--context", type=int, default=280)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps-per-round", type=int, default=5)
     args = ap.parse_args()
+    if args.matrices:
+        matrices(args)
+        return
     from conveyor import kernels
     k = kernels.load()
     if k is None or not k.linear_bf16_available():

@@ -117,7 +117,8 @@ def main() -> int:
     ap.add_argument("--server", choices=["conveyor", "vllm", "llamacpp"], default="conveyor")
     ap.add_argument("--peers", type=Path, default=Path("/tmp/peers"), help="where vllmvenv/ and llama.cpp/ are")
     ap.add_argument("--kv-gib", type=float, default=2.0, help="vLLM's VLLM_CPU_KVCACHE_SPACE")
-    ap.add_argument("--quantization", choices=["int8", "int4"])
+    ap.add_argument("--quantization", choices=["int8", "int4", "gguf", "none"],
+                    help="conveyor: as `serve --quantization` (a GGUF: gguf keeps its blocks, none dequantizes)")
     ap.add_argument("--generate", type=int, default=32, help="greedy tokens to generate once ready (0: none)")
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds to wait for /health 200")
     ap.add_argument("--log", type=Path)

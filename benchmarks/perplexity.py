@@ -11,6 +11,17 @@ Greedy agreement: 32 prompts of 48 tokens taken from the same text after the per
 identical up to the first difference, and prompts whose 64 tokens are all identical.
 
     python benchmarks/perplexity.py --out docs/quantization/quality.json
+
+Against llama.cpp (`--llama-cpp BIN_DIR --files A.gguf,B.gguf,...`): each GGUF file's perplexity from
+llama.cpp's own `llama-perplexity` and from conveyor on the same tokens, scored as llama-perplexity scores them
+(the text's tokens, llama.cpp's tokenization fetched from `llama-server`'s /tokenize, cut into chunks of `--ctx`;
+the first token of a chunk replaced by BOS where the vocabulary adds one; the chunk's second half scored).
+conveyor runs each file as served by default (a GGUF's blocks as shipped where the kernels take them) and
+dequantized (`--quantization none`):
+
+    python benchmarks/perplexity.py --llama-cpp /tmp/peers/llama.cpp/build/bin \
+        --files /work/models/smollm2-quants/smollm2-Q8_0.gguf,... --text /usr/share/common-licenses/GPL-3 \
+        --out docs/quantization/vs_llama_cpp.json
 """
 
 from __future__ import annotations
@@ -59,6 +70,99 @@ def perplexity(llm: LLM, ids: list[int], window: int) -> tuple[float, int]:
     return math.exp(nll / count), count
 
 
+def llama_cpp_tokens(bin_dir: str, model: str, text: str) -> list[int]:
+    """The text as llama.cpp tokenizes it for llama-perplexity (special tokens added as the vocabulary says),
+    from a short-lived llama-server's /tokenize."""
+    import socket
+    import subprocess
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([os.path.join(bin_dir, "llama-server"), "-m", model, "--port", str(port), "-c", "512",
+                             "-t", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                body = json.dumps({"content": text, "add_special": True}).encode()
+                req = urllib.request.Request(f"http://127.0.0.1:{port}/tokenize", body,
+                                             {"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=30) as r:
+                    return json.loads(r.read())["tokens"]
+            except OSError:
+                if time.time() > deadline or proc.poll() is not None:
+                    raise
+                time.sleep(0.5)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def llama_cpp_perplexity(bin_dir: str, model: str, text_file: str, ctx: int, threads: int) -> float:
+    """llama-perplexity's final estimate on `text_file` with chunks of `ctx`."""
+    import re
+    import subprocess
+
+    out = subprocess.run([os.path.join(bin_dir, "llama-perplexity"), "-m", model, "-f", text_file, "-c", str(ctx),
+                          "-b", str(ctx), "-t", str(threads)], capture_output=True, text=True, check=True)
+    m = re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr)
+    if m is None:
+        raise RuntimeError("llama-perplexity printed no final estimate:\n" + (out.stdout + out.stderr)[-2000:])
+    return float(m.group(1))
+
+
+@torch.inference_mode()
+def perplexity_as_llama_cpp(llm: LLM, tokens: list[int], ctx: int, bos: int | None) -> float:
+    """llama-perplexity's scoring: chunks of `ctx` tokens, the first replaced by `bos` (if any), the logits of
+    positions ctx/2 .. ctx-2 scored against the next token."""
+    nll, count, first = 0.0, 0, ctx // 2
+    for c in range(len(tokens) // ctx):
+        chunk = list(tokens[c * ctx:(c + 1) * ctx])
+        if bos is not None:
+            chunk[0] = bos
+        logits = llm.engine.prompt_logits(chunk)[first:ctx - 1].float()
+        target = torch.tensor(tokens[c * ctx + first + 1:(c + 1) * ctx], device=logits.device)
+        nll += F.cross_entropy(logits, target, reduction="sum").item()
+        count += ctx - 1 - first
+    return math.exp(nll / count)
+
+
+def vs_llama_cpp(args) -> None:
+    text = open(args.text, encoding="utf-8").read()
+    files = [f.strip() for f in args.files.split(",") if f.strip()]
+    tokens = llama_cpp_tokens(args.llama_cpp, files[0], text)
+    rows = []
+    for path in files:
+        t0 = time.perf_counter()
+        ref = llama_cpp_perplexity(args.llama_cpp, path, args.text, args.ctx, torch.get_num_threads())
+        row = {"file": os.path.basename(path), "llama_cpp": round(ref, 4)}
+        for label, quantization in (("conveyor", None), ("conveyor_dequantized", "none")):
+            llm = LLM(path, kv_cache_memory=0.5, quantization=quantization, use_tqdm_on_load=False)
+            bos = llm.engine.model_config.bos_token_id
+            row.setdefault("tokens", len(tokens))
+            row.setdefault("bos_added", tokens[0] == bos)
+            ppl = perplexity_as_llama_cpp(llm, tokens, args.ctx, bos if tokens[0] == bos else None)
+            row[label] = round(ppl, 4)
+            row[label + "_vs_llama_cpp"] = round(ppl / ref - 1, 4)
+            if quantization is None:
+                row["weights"] = llm.engine.info.weight_dtype
+            del llm
+            gc.collect()
+        row["seconds"] = round(time.perf_counter() - t0, 1)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if args.out:
+        from conveyor.kernels.variants import cpu_name
+
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"text": args.text, "ctx": args.ctx, "scored_tokens_per_chunk": args.ctx - 1 - args.ctx // 2,
+                       "chunks": len(tokens) // args.ctx, "cpu": cpu_name(), "torch": torch.__version__,
+                       "results": rows}, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -69,7 +173,14 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names from: " + ", ".join(CONFIGS))
     ap.add_argument("--out", default=None)
+    ap.add_argument("--llama-cpp", default=None, help="llama.cpp's bin folder: compare --files with llama-perplexity")
+    ap.add_argument("--files", default="", help="comma-separated GGUF files (with --llama-cpp)")
+    ap.add_argument("--text", default="/usr/share/common-licenses/GPL-3", help="the text (with --llama-cpp)")
+    ap.add_argument("--ctx", type=int, default=512, help="chunk length (with --llama-cpp)")
     args = ap.parse_args()
+    if args.llama_cpp:
+        vs_llama_cpp(args)
+        return
     names = [c.strip() for c in args.configs.split(",")]
     results, base_tokens = [], None
     ids = prompts = None

@@ -9,7 +9,10 @@ from dataclasses import dataclass, fields
 # them, the CLI offers them (conveyor/engine/args.py), and the model and runner read their names from here.
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
-QUANTIZATIONS = ("int8", "int4")  # weight-only (conveyor/model/quantization.py)
+# weight-only: int8 / int4 (conveyor/model/quantization.py); gguf: a GGUF's blocks as shipped, whatever their type;
+# none: a GGUF dequantized to the dtype. Unset: a GGUF of k-quants, Q8_0, Q4_0 or Q5_0/1 is served as its blocks
+# (conveyor/model/gguf_weights.py)
+QUANTIZATIONS = ("int8", "int4", "gguf", "none")
 KV_CACHE_DTYPES = ("auto", "int8")
 ATTENTION_BACKENDS = ("auto", "kernel", "torch")  # conveyor/model/attention.py
 CHOICES: dict[str, tuple[str, ...]] = {"dtype": DTYPES, "device": DEVICES, "quantization": QUANTIZATIONS,
@@ -68,7 +71,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     admission_reserve: bool = False  # admit only if prompt + remaining output fits (mini-sglang style)
     seed: int | None = 0  # seeds the generator that sampled requests without their own seed draw from
-    quantization: str | None = None  # None or one of QUANTIZATIONS
+    quantization: str | None = None  # None (a GGUF's blocks as they ship, where the kernels take them) or QUANTIZATIONS
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES: auto (the model's dtype) or int8
     kv_cache_populate: bool = False  # CPU: fault the pool's pages in at startup (servers: on, see `serve`)
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS

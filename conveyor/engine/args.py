@@ -72,8 +72,10 @@ def engine_flags() -> list[EngineFlag]:
         EngineFlag("dtype", "engine", "weights and activations dtype; auto: bf16 where the CPU has fast bf16 "
                    "(AVX512-BF16, AMX, or AVX2 with our bf16 kernel) or CUDA"),
         EngineFlag("device", "engine", "auto: CUDA when torch sees one, else CPU"),
-        EngineFlag("quantization", "engine", "weight-only quantization (CPU): int8 per channel, int4 in groups of "
-                   "32; a GGUF's Q4_0/Q4_1 weights are kept as shipped with int4 (default: none)",
+        EngineFlag("quantization", "engine", "weights (CPU): int8 per channel, int4 in groups of 32 (a GGUF's Q4_0/"
+                   "Q4_1 blocks kept as shipped); gguf: a GGUF's blocks as shipped, any type the kernels take; none: "
+                   "a GGUF dequantized to --dtype (default: a GGUF of Q8_0, Q4_0, Q5_0/1 or k-quants served as its "
+                   "blocks, anything else in --dtype)",
                    flags=("--quantization", "-q")),
         EngineFlag("seed", "engine", "seeds the generator that sampled requests without their own seed draw from",
                    type=int),

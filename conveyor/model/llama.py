@@ -199,6 +199,25 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+# a decoder layer's linear modules, each the HF weights `linear_parts` names fused in row order
+LAYER_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+def linear_parts(cfg: ModelConfig, tied: bool | None = None) -> dict[str, list[str]]:
+    """Every linear module of the model (`lm_head`, `layers.{i}.self_attn.qkv_proj`, ...) and the HF weights it
+    is made of, fused in row order (q/k/v, gate/up): the one statement of the fusing, for the loader and for the
+    memory estimate (runner/memory.py). A tied LM head is the embedding's weight (`tied`: default from cfg)."""
+    tied = cfg.tie_word_embeddings if tied is None else tied
+    out = {"lm_head": ["model.embed_tokens.weight" if tied else "lm_head.weight"]}
+    for i in range(cfg.num_layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        out[f"layers.{i}.self_attn.qkv_proj"] = [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]
+        out[f"layers.{i}.self_attn.o_proj"] = [a + "o_proj.weight"]
+        out[f"layers.{i}.mlp.gate_up_proj"] = [m + "gate_proj.weight", m + "up_proj.weight"]
+        out[f"layers.{i}.mlp.down_proj"] = [m + "down_proj.weight"]
+    return out
+
+
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -243,11 +262,13 @@ class LlamaModel(nn.Module):
         cache, and every linear packed for one of our bf16 kernels, without bias (q/k/v's aside, below). The
         same kernels run in the same order, so outputs are bit-identical; what goes is ~20 Python-level calls
         per layer (about 4 ms of a 17 ms one-stream decode step on a 2-core Zen 3). int8 and int4 layers on our
-        kernels qualify too, for the steps their dense copies (see quantization.py) do not take, and so do
-        Qwen2's q/k/v biases (added by the same torch op as the loop adds them). Returns whether it is on.
+        kernels qualify too, for the steps their dense copies (see quantization.py) do not take, GGUF block
+        weights (gguf_weights.py) too, and so do Qwen2's q/k/v biases (added by the same torch op as the loop
+        adds them). Returns whether it is on.
 
         Anything else (LoRA's wrapped linears, oneDNN or torch's linears, the torch reference path, an int8 KV
         cache at call time) keeps the Python loop, which stays the reference."""
+        from conveyor.model.gguf_weights import GGUFLinear
         from conveyor.model.packed_linear import _OPS, PackedLinear
         from conveyor.model.quantization import QuantizedLinear
 
@@ -258,6 +279,8 @@ class LlamaModel(nn.Module):
                 return _OPS[m.kernel], [m.packed]
             if type(m) is QuantizedLinear and m.ours:
                 return f"linear_int{m.bits}", [m.qweight, m.scales]
+            if type(m) is GGUFLinear:
+                return "gguf_linear", [m.packed, m.meta]
             return None
 
         self.fused_body, self.fused_max_rows = None, None
@@ -306,22 +329,27 @@ class LlamaModel(nn.Module):
         return self.lm_head(hidden).float()
 
     def load_weights(self, names: Collection[str], read: Callable[[str], torch.Tensor],
-                     make_linear: Callable[[str, list[str], list[str] | None, torch.Tensor | None], nn.Module]) -> None:
+                     make_linear: Callable[[str, list[str], list[str] | None, torch.Tensor | None], nn.Module],
+                     make_embedding: Callable[[str], nn.Module | None] | None = None) -> None:
         """Take weights named as in HF's LlamaForCausalLM, one module at a time: `read(hf_name)` gives a tensor
         as it will be served (dtype, device), `make_linear(module, parts, bias_parts, weight)` builds a linear
-        module from HF weights fused in row order (q/k/v and gate/up into one matmul each; `weight`: a tensor
-        already read, the embedding for a tied LM head). The caller decides what a linear becomes (plain,
-        packed, quantized) and reads its parts itself, so no tensor is held longer than its own conversion.
-        The embedding and the LM head come first: the largest tensors convert while little else is held."""
+        module from HF weights fused in row order (`linear_parts`: q/k/v and gate/up into one matmul each;
+        `weight`: a tensor already read, the embedding for a tied LM head), `make_embedding(hf_name)` the
+        embedding where it is served otherwise than as a float table (a GGUF's blocks; None: a table from
+        `read`; a tied LM head then comes from the module's `tied_head()`). The caller decides what a linear
+        becomes (plain, packed, quantized, GGUF blocks) and reads its parts itself, so no tensor is held longer
+        than its own conversion. The embedding and the LM head come first: the largest tensors convert while
+        little else is held."""
         names = set(names)
         used: set[str] = set()
+        embed_name = "model.embed_tokens.weight"
 
         def get(name: str) -> nn.Parameter:
             used.add(name)
             return nn.Parameter(read(name), requires_grad=False)
 
-        def linear(module: str, parts: list[str], bias_parts: list[str] | None = None,
-                   weight: torch.Tensor | None = None) -> nn.Module:
+        def linear(module: str, parts: list[str], weight: torch.Tensor | None = None) -> nn.Module:
+            bias_parts = [p.removesuffix(".weight") + ".bias" for p in parts] if self._has_bias(module) else None
             missing = [n for n in [*parts, *(bias_parts or [])] if n not in names and weight is None]
             if missing:
                 raise ValueError(f"checkpoint does not fit the model: missing {missing[:5]}")
@@ -329,30 +357,33 @@ class LlamaModel(nn.Module):
             used.update(bias_parts or [])
             return make_linear(module, parts, bias_parts, weight)
 
-        if "model.embed_tokens.weight" not in names:
-            raise ValueError("checkpoint does not fit the model: missing ['model.embed_tokens.weight']")
-        self.embed_tokens.weight = get("model.embed_tokens.weight")
-        tied = self.cfg.tie_word_embeddings or "lm_head.weight" not in names
-        if tied:
-            self.lm_head = linear("lm_head", ["model.embed_tokens.weight"], None, self.embed_tokens.weight)
+        if embed_name not in names:
+            raise ValueError(f"checkpoint does not fit the model: missing [{embed_name!r}]")
+        embedding = make_embedding(embed_name) if make_embedding is not None else None
+        if embedding is not None:
+            used.add(embed_name)
+            self.embed_tokens = embedding
         else:
-            self.lm_head = linear("lm_head", ["lm_head.weight"])
+            self.embed_tokens.weight = get(embed_name)
+        parts = linear_parts(self.cfg, tied=self.cfg.tie_word_embeddings or "lm_head.weight" not in names)
+        if parts["lm_head"] == [embed_name]:  # tied
+            self.lm_head = (embedding.tied_head() if embedding is not None
+                            else linear("lm_head", [embed_name], self.embed_tokens.weight))
+        else:
+            self.lm_head = linear("lm_head", parts["lm_head"])
         self.norm.weight = get("model.norm.weight")
-        c = self.cfg
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            a, m = p + "self_attn.", p + "mlp."
             layer.input_layernorm.weight = get(p + "input_layernorm.weight")
             layer.post_attention_layernorm.weight = get(p + "post_attention_layernorm.weight")
-            attn, mlp = layer.self_attn, layer.mlp
-            attn.qkv_proj = linear(f"layers.{i}.self_attn.qkv_proj", [a + f"{x}_proj.weight" for x in "qkv"],
-                                   [a + f"{x}_proj.bias" for x in "qkv"] if c.qkv_bias else None)
-            attn.o_proj = linear(f"layers.{i}.self_attn.o_proj", [a + "o_proj.weight"],
-                                 [a + "o_proj.bias"] if c.o_bias else None)
-            mlp.gate_up_proj = linear(f"layers.{i}.mlp.gate_up_proj", [m + "gate_proj.weight", m + "up_proj.weight"],
-                                      [m + "gate_proj.bias", m + "up_proj.bias"] if c.mlp_bias else None)
-            mlp.down_proj = linear(f"layers.{i}.mlp.down_proj", [m + "down_proj.weight"],
-                                   [m + "down_proj.bias"] if c.mlp_bias else None)
+            for attr in LAYER_LINEARS:
+                owner, _, name = attr.rpartition(".")
+                setattr(layer.get_submodule(owner), name, linear(f"layers.{i}.{attr}", parts[f"layers.{i}.{attr}"]))
         leftover = sorted(n for n in names - used if not n.endswith("rotary_emb.inv_freq"))
         if leftover:
             raise ValueError(f"checkpoint has weights this model does not use: {leftover[:5]}")
+
+    def _has_bias(self, module: str) -> bool:
+        c = self.cfg
+        return (c.qkv_bias if module.endswith("qkv_proj") else c.o_bias if module.endswith("o_proj")
+                else c.mlp_bias if module.endswith(("gate_up_proj", "down_proj")) else False)

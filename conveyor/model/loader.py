@@ -189,8 +189,16 @@ class WeightSource(Mapping):
 
     def kept(self, name: str, quantization: str | None):
         """The weight as the file holds it, already quantized, where the engine serves it that way
-        (`keep_gguf_tensor`), else None: it is read as floats and quantized (or not) by the runner."""
+        (`keep_gguf_tensor`: a GGUF's blocks as `gguf_weights.GGUFWeight`, or Q4_0/Q4_1 as the int4 kernel's
+        `QuantizedWeight` under `--quantization int4`), else None: it is read as floats and quantized (or not) by
+        the runner."""
         return None
+
+    def kept_blocks(self, quantization: str | None) -> dict[str, int]:
+        """The weights `kept` serves as the file's GGUF blocks under `quantization` (HF name -> bytes served),
+        from the headers alone: what the runner builds GGUF modules of, and what the memory check counts at
+        their real size before any weight is read."""
+        return {}
 
     def only(self, keep) -> WeightSource:
         """The tensors whose names pass `keep` (a speculative draft's first layers)."""
@@ -231,6 +239,9 @@ class _Filtered(WeightSource):
 
     def kept(self, name, quantization):
         return self.inner.kept(name, quantization)
+
+    def kept_blocks(self, quantization):
+        return {n: b for n, b in self.inner.kept_blocks(quantization).items() if n in self._set}
 
 
 class TensorDictSource(WeightSource):
@@ -486,13 +497,50 @@ class GGUFTensor:
         _pread_into(self.path, out, self.offset + a * row_bytes)
         return out.numpy()
 
+    def convert_mapped(self, convert):
+        """`convert(view)` on a read-only uint8 [rows, bytes per row] view of this tensor in a mapping of the file,
+        then the mapping is gone: for a conversion that writes its own copy anyway (GGUF blocks repacked), the
+        bytes are read once, with no buffer between the file and the copy, and none of the file's pages stay in
+        this process once it returns (MADV_DONTNEED, then unmapped). The pages stay in the page cache."""
+        page = mmap.ALLOCATIONGRANULARITY
+        start = self.offset // page * page
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # the page tables filled in one call
+        with open(self.path, "rb") as f:
+            mm = mmap.mmap(f.fileno(), self.offset - start + self.n_bytes, flags=flags, prot=mmap.PROT_READ,
+                           offset=start)
+        try:
+            view = np.frombuffer(mm, dtype=np.uint8, count=self.n_bytes, offset=self.offset - start)
+            out = convert(view.reshape(self.rows, -1))
+            del view
+        finally:
+            if hasattr(mmap, "MADV_DONTNEED"):
+                mm.madvise(mmap.MADV_DONTNEED)
+            try:
+                mm.close()
+            except BufferError:  # a view outlived the call: its pages are dropped already, the mapping goes with it
+                pass
+        return out
 
-def keep_gguf_tensor(t: GGUFTensor, quantization: str | None):
+
+def keep_gguf_tensor(t: GGUFTensor, quantization: str | None, types: frozenset[str] = frozenset()):
     """Whether this GGUF weight is served in the file's own blocks instead of dequantized (and re-quantized):
     the kept weight, or None. The one per-tensor decision: a kernel for another block type plugs in here.
 
-    Today: Q4_0 / Q4_1 2-D weights under `--quantization int4`, whose blocks of 32 map exactly onto the int4
-    kernel's layout (`QuantizedWeight.from_gguf`), q/k rows put back in HF's RoPE order."""
+    - a type in `types` (the file's `gguf_weights.keep_policy` under `quantization`; `gguf_weights.keepable`
+      per tensor): the blocks as a `GGUFWeight`, repacked for linear_gguf.cpp straight from a mapping of the
+      file, whose pages are let go at once (`GGUFTensor.convert_mapped`), so a load holds the packed weights
+      alone, never the file beside them;
+    - Q4_0 / Q4_1 2-D weights under `--quantization int4`, whose blocks of 32 map exactly onto the int4 kernel's
+      layout (`QuantizedWeight.from_gguf`).
+    Either way q/k rows are put back in HF's RoPE order."""
+    from conveyor.model import gguf_weights
+
+    if gguf_weights.keepable(t.qtype, t.shape, types):
+        def pack(raw: np.ndarray):
+            rows = raw if t.heads is None else unpermute(raw, t.heads)  # whole rows of blocks move
+            return gguf_weights.GGUFWeight.from_raw(t.qtype, rows, t.shape)
+
+        return t.convert_mapped(pack)
     if quantization != "int4" or t.qtype not in GGUF_KEPT_TYPES or len(t.shape) != 2:
         return None
     from conveyor.model.quantization import QuantizedWeight
@@ -524,7 +572,8 @@ def dequantize_gguf_rows(t: GGUFTensor, a: int, b: int) -> torch.Tensor:
 
 class GGUFSource(WeightSource):
     """A GGUF file: its metadata as a ModelConfig, its tensors under HF names, dequantized a chunk of rows at a
-    time straight into the served dtype (no fp32 copy of the model, no cache of one on disk)."""
+    time straight into the served dtype (no fp32 copy of the model, no cache of one on disk), or, for the types
+    the file keeps as blocks (`keep_types`), repacked as they are (`kept`)."""
 
     def __init__(self, path: Path) -> None:
         import gguf
@@ -540,6 +589,7 @@ class GGUFSource(WeightSource):
         kv_heads = int(fields.get(f"{a}.attention.head_count_kv", heads))
         hidden = int(fields[f"{a}.embedding_length"])
         self.tensors: dict[str, GGUFTensor] = {}
+        self._keep_types: dict[str | None, frozenset[str]] = {}
         rope_factors = None
         for gname, shape, type_id, offset in infos:
             qtype = gguf.GGMLQuantizationType(type_id)
@@ -606,11 +656,26 @@ class GGUFSource(WeightSource):
         self.bytes_read += t.n_bytes
         return out
 
+    def keep_types(self, quantization: str | None) -> frozenset[str]:
+        """The GGUF types this file keeps as blocks under `quantization` (`gguf_weights.keep_policy`: decided
+        per file, from what most of its layer weights are)."""
+        from conveyor.model import gguf_weights
+
+        if quantization not in self._keep_types:
+            self._keep_types[quantization] = gguf_weights.keep_policy(self.tensors.values(), quantization)
+        return self._keep_types[quantization]
+
+    def kept_blocks(self, quantization):
+        from conveyor.model import gguf_weights
+
+        types = self.keep_types(quantization)
+        return {n: t.n_bytes for n, t in self.tensors.items() if gguf_weights.keepable(t.qtype, t.shape, types)}
+
     def kept(self, name, quantization):
         t = self.tensors.get(name)
         if t is None:
             return None
-        kept = keep_gguf_tensor(t, quantization)
+        kept = keep_gguf_tensor(t, quantization, self.keep_types(quantization))
         if kept is not None:
             self.bytes_read += t.n_bytes
         return kept

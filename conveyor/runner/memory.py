@@ -12,12 +12,13 @@ start to fault in, 4.9 GB resident), the same 4 GiB for an 8B model that has no 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
-from conveyor.model.llama import ModelConfig
+from conveyor.model.llama import ModelConfig, linear_parts
 
 log = logging.getLogger("conveyor.runner")
 
@@ -85,18 +86,32 @@ def _linear_bytes(n: int, k: int, elem: int, quantization: str | None, lm_head: 
     return n * k * elem
 
 
-def estimate_weight_bytes(cfg: ModelConfig, elem: int, quantization: str | None, packed: bool) -> int:
+def estimate_weight_bytes(cfg: ModelConfig, elem: int, quantization: str | None, packed: bool,
+                          blocks: Mapping[str, int] | None = None) -> int:
     """The served weights' bytes, from the config alone: the linears in `elem`-byte floats or quantized as
     quantization.py does it (int4 keeps the LM head in int8), the embedding and norms in `elem` bytes. A tied LM
-    head costs nothing more unless packed or quantized (then it is a copy of the embedding in another layout)."""
+    head costs nothing more unless packed or quantized (then it is a copy of the embedding in another layout).
+    `blocks`: the weights served as a GGUF file's own blocks (HF name -> bytes, `WeightSource.kept_blocks`),
+    counted at their size: a module all of whose parts are kept is a GGUF module, the embedding kept is looked
+    up from its blocks and a tied head shares them (an 8B Q4_K_M file: ~4.9 GB, not 16 GB of bf16)."""
+    blocks = blocks or {}
     h, d = cfg.hidden_size, cfg.head_dim
     q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
-    shapes = [(q + 2 * kv, h), (h, q), (2 * cfg.intermediate_size, h), (h, cfg.intermediate_size)]
-    layers = cfg.num_layers * sum(_linear_bytes(n, k, elem, quantization, False) for n, k in shapes)
-    embed = cfg.vocab_size * h * elem
-    head = 0 if cfg.tie_word_embeddings and not (packed or quantization) else \
-        _linear_bytes(cfg.vocab_size, h, elem, quantization, True)
-    return layers + embed + head + (2 * cfg.num_layers + 1) * h * elem
+    shapes = {"self_attn.qkv_proj": (q + 2 * kv, h), "self_attn.o_proj": (h, q),
+              "mlp.gate_up_proj": (2 * cfg.intermediate_size, h), "mlp.down_proj": (h, cfg.intermediate_size)}
+    embed = "model.embed_tokens.weight"
+    total = blocks[embed] if embed in blocks else cfg.vocab_size * h * elem
+    for module, parts in linear_parts(cfg).items():
+        if module == "lm_head" and parts == [embed]:  # tied
+            if embed in blocks or not (packed or quantization):
+                continue  # the embedding's own table or blocks
+        if all(p in blocks for p in parts):
+            total += sum(blocks[p] for p in parts)
+        elif module == "lm_head":
+            total += _linear_bytes(cfg.vocab_size, h, elem, quantization, True)
+        else:
+            total += _linear_bytes(*shapes[module.split(".", 2)[2]], elem, quantization, False)
+    return total + (2 * cfg.num_layers + 1) * h * elem
 
 
 @dataclass(frozen=True)

@@ -28,10 +28,12 @@ from conveyor import startup
 from conveyor.config import DTYPES, EngineConfig
 from conveyor.kernels.variants import cpu_info
 from conveyor.model.attention import KV_SCALE_DTYPE, build_metadata, cache_shapes, choose_backend, scale_shape
+from conveyor.model.gguf_weights import GGUFEmbedding, GGUFLinear
 from conveyor.model.llama import LlamaModel, ModelConfig, rope_inv_freq
 from conveyor.model.loader import TensorDictSource, WeightSource
 from conveyor.model.packed_linear import PackedLinear, available_kernels, packing_available
 from conveyor.model.quantization import (
+    KERNEL_DTYPES,
     QuantizedLinear,
     QuantizedWeight,
     dense_copy_bytes,
@@ -117,20 +119,34 @@ class ModelRunner:
         self.block_size = config.block_size
         # KV storage: the model's dtype, or int8 with an fp16 scale per token and head (attention.py)
         self.kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else self.dtype
-        self.quantization = config.quantization
-        self.weight_dtype = config.quantization or str(self.dtype).removeprefix("torch.")
-        if config.quantization:
+        # int8 / int4: quantized by us (or a GGUF's Q4_0/Q4_1 kept for int4); gguf / none / unset: how a GGUF's
+        # blocks are served (kept as blocks, model/gguf_weights.py, or dequantized), no quantization of ours
+        method = config.quantization if config.quantization in ("int8", "int4") else None
+        self.quantization = method
+        if method:
             why = quantization_available(self.device, self.dtype)
             if why is not None:
-                raise ValueError(f"--quantization {config.quantization} is not available: {why}")
+                raise ValueError(f"--quantization {method} is not available: {why}")
+        source = tensors if isinstance(tensors, WeightSource) else TensorDictSource(dict(tensors))
+        blocks = source.kept_blocks(config.quantization)  # a GGUF's weights served as its blocks (headers only)
+        if blocks and (self.device.type != "cpu" or self.dtype not in KERNEL_DTYPES):
+            log.warning("GGUF block weights run on CPU kernels only: dequantizing them for %s/%s", self.device,
+                        self.dtype)
+            blocks = {}
+        self.weight_dtype = method or ("gguf" if blocks else str(self.dtype).removeprefix("torch."))
         pack = config.packed_linear and packing_available(self.device, self.dtype)
         if self.device.type == "cpu":
-            self._check_memory(config, pack)
-        source = tensors if isinstance(tensors, WeightSource) else TensorDictSource(dict(tensors))
+            self._check_memory(config, pack, blocks)
         with torch.device("meta"):
             model = LlamaModel(cfg)
         t0 = time.perf_counter()
-        counts = self._load_weights(model, source, config, pack)
+        counts = self._load_weights(model, source, config, pack, blocks)
+        if blocks:
+            kinds = sorted({t for m in model.modules() if isinstance(m, GGUFLinear) for t in m.qtypes})
+            log.info("GGUF block weights served as shipped: %d modules (%s)%s", counts["gguf"],
+                     ", ".join(kinds), "" if counts["gguf"] else "; none whole, all dequantized")
+            if not counts["gguf"]:
+                self.weight_dtype = str(self.dtype).removeprefix("torch.")
         model.inv_freq = rope_inv_freq(cfg).float().to(self.device)
         self.model = model.eval()
         self.model.build_rope_table()
@@ -143,20 +159,20 @@ class ModelRunner:
         log.info("weights: %.2f GiB read in %.1f s (%.0f MB/s, converted as read), %.2f GiB held as %s",
                  source.bytes_read / 2**30, load_s, source.bytes_read / max(load_s, 1e-9) / 1e6,
                  self.weight_bytes / 2**30, self.weight_dtype)
-        if config.quantization:
+        if method:
             budget = int(DENSE_COPY_SHARE * available_ram()) if self.device.type == "cpu" else None
             threshold = tune_dense_threshold(self.model, config.max_num_batched_tokens, budget)
             _trim_heap()  # the dense copies' fp32 temporaries and the timing's inputs
             dense = sum(dense_copy_bytes(m) for m in self.model.modules()
                         if isinstance(m, QuantizedLinear) and m.dense is not None)
             log.info("weights: %s (%d linear layers, %d kept as the checkpoint ships them); %s%s",
-                     config.quantization, counts["quantized"], counts["from_checkpoint"], dense_rows_note(threshold),
+                     method, counts["quantized"], counts["from_checkpoint"], dense_rows_note(threshold),
                      f" (dense copies of {dense / 2**30:.2f} GiB)" if dense else "")
         self.packed_linears = counts["packed"]
         # every op on the compiled CPU path gives a token a result that depends only on its own request
         # (tests/engine/test_batch_invariance.py); the torch reference path (CUDA, no compiler) does not
-        linears = [m for m in self.model.modules() if isinstance(m, (PackedLinear, QuantizedLinear))]
-        self.quantized_linears = sum(1 for m in linears if isinstance(m, QuantizedLinear))
+        linears = [m for m in self.model.modules() if isinstance(m, (PackedLinear, QuantizedLinear, GGUFLinear))]
+        self.quantized_linears = sum(1 for m in linears if isinstance(m, (QuantizedLinear, GGUFLinear)))
         self.batch_invariant = (self.attention_backend == "kernel" and bool(linears)
                                 and all(m.batch_invariant for m in linears))
         self.lora = None  # LoRAManager when adapters are enabled (conveyor/lora)
@@ -181,15 +197,18 @@ class ModelRunner:
         self._populate_job: tuple[threading.Thread, threading.Event] | None = None
         self.allocate_kv_cache(config)
 
-    def _load_weights(self, model: LlamaModel, source: WeightSource, config: EngineConfig, pack: bool
-                      ) -> dict[str, int]:
+    def _load_weights(self, model: LlamaModel, source: WeightSource, config: EngineConfig, pack: bool,
+                      blocks: Mapping[str, int]) -> dict[str, int]:
         """Build every layer of `model` from `source`, one at a time, straight into its served form: each tensor
         is read into the buffer it is served from (fused weights: each part into its rows of the fused buffer),
         then packed for our kernels or quantized a chunk of rows at a time, and every source buffer is dropped
-        before the next layer is read. Peak memory: the served weights plus about twice the largest layer (the
-        LM head, read first, while nothing else is held). Returns counts of packed / quantized / kept layers."""
-        dtype, device, method = self.dtype, self.device, config.quantization
-        counts = {"packed": 0, "quantized": 0, "from_checkpoint": 0}
+        before the next layer is read; a module all of whose weights are in `blocks` (a GGUF's kept blocks) is
+        a GGUFLinear of the file's blocks, each repacked straight from the file (`loader.keep_gguf_tensor`), and
+        an embedding in `blocks` a GGUFEmbedding whose blocks a tied LM head shares. Peak memory: the served
+        weights plus about twice the largest layer (the LM head, read first, while nothing else is held).
+        Returns counts of packed / quantized / kept-for-int4 / GGUF-block layers."""
+        dtype, device, method = self.dtype, self.device, self.quantization
+        counts = {"packed": 0, "quantized": 0, "from_checkpoint": 0, "gguf": 0}
 
         def read(name: str) -> torch.Tensor:
             return source.read(name, dtype).to(device)
@@ -217,8 +236,22 @@ class ModelRunner:
                 return None
             return usable_kept(module, qw, method, n, k)
 
+        def gguf_blocks(parts: list[str]) -> GGUFLinear | None:
+            if not all(p in blocks for p in parts):
+                return None  # a module with any part dequantized is dequantized whole (one dtype per matmul)
+            counts["gguf"] += 1
+            return GGUFLinear([source.kept(p, config.quantization) for p in parts], dtype)
+
+        def make_embedding(name: str) -> nn.Module | None:
+            table = gguf_blocks([name])
+            return None if table is None else GGUFEmbedding(table, dtype)
+
         def make_linear(module: str, parts: list[str], bias_parts: list[str] | None,
                         weight: torch.Tensor | None) -> nn.Module:
+            if weight is None and bias_parts is None:
+                gguf = gguf_blocks(parts)
+                if gguf is not None:
+                    return gguf
             bias = None if bias_parts is None else read_fused(bias_parts)
             n, k = (weight.shape if weight is not None else
                     (sum(source.shape(p)[0] for p in parts), source.shape(parts[0])[1]))
@@ -247,11 +280,17 @@ class ModelRunner:
             _trim_heap()  # this layer's source buffers are free now
             return module
 
-        model.load_weights(source.names(), read, make_linear_and_trim)
+        def make_embedding_and_trim(name: str) -> nn.Module | None:
+            module = make_embedding(name)
+            _trim_heap()
+            return module
+
+        model.load_weights(source.names(), read, make_linear_and_trim, make_embedding_and_trim)
         return counts
 
-    def _check_memory(self, config: EngineConfig, pack: bool) -> None:
-        """Refuse a start that cannot fit before reading any weight (runner/memory.py)."""
+    def _check_memory(self, config: EngineConfig, pack: bool, kept_blocks: Mapping[str, int]) -> None:
+        """Refuse a start that cannot fit before reading any weight (runner/memory.py); `kept_blocks`: a GGUF's
+        weights served as their blocks, counted at their size."""
         cfg = self.model_config
         if config.max_model_len and (config.num_kv_blocks is not None or config.kv_cache_memory is not None):
             blocks = (config.num_kv_blocks if config.num_kv_blocks is not None
@@ -260,7 +299,7 @@ class ModelRunner:
                 raise ValueError(f"max_model_len ({config.max_model_len}) is larger than the KV cache can hold "
                                  f"({blocks * config.block_size} tokens); raise kv_cache_memory")
         elem = torch.empty((), dtype=self.dtype).element_size()
-        weights = estimate_weight_bytes(cfg, elem, config.quantization, pack)
+        weights = estimate_weight_bytes(cfg, elem, self.quantization, pack, kept_blocks)
         int4 = estimate_weight_bytes(cfg, elem, "int4", pack) if self.quantization != "int4" else None
         tokens = self.min_kv_tokens(config)
         kv, what = tokens * self.block_bytes(1), f"one {tokens}-token sequence's KV cache"

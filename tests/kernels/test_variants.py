@@ -18,6 +18,7 @@ from conveyor import kernels
 KERNEL_TESTS = ["tests/kernels/test_fused_ops.py", "tests/model/test_attention_kernel.py",
                 "tests/model/test_linear_bf16.py", "tests/model/test_kv_int8.py",
                 "tests/runner/test_sampler_kernel.py",  # the sampler's scalar path runs under avx2 and generic
+                "tests/model/test_gguf_weights.py",  # AVX2's maddubs path (avx2, avx512), none in generic
                 # the LoRA kernel's portable shrink and expand (no AVX512-BF16 / no AVX-512)
                 "tests/lora/test_lora_parity.py::test_kernel_and_torch_paths_match_rowwise_reference"]
 ROOT = Path(__file__).resolve().parents[2]

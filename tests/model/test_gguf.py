@@ -47,10 +47,12 @@ def llama3_rope_factors(cfg: dict) -> np.ndarray:
     return torch.tensor(out, dtype=torch.float32).numpy()
 
 
-def write_llama_gguf(path, hf_dir, arch: str = "llama", qtype: str | None = None, rope_freqs: bool = True) -> None:
+def write_llama_gguf(path, hf_dir, arch: str = "llama", qtype: str | None = None, rope_freqs: bool = True,
+                     quantize=None) -> None:
     """Write the HF checkpoint in `hf_dir` as an F32 GGUF with its tokenizer and chat template
     (`qtype`, e.g. "Q4_1": the layers' linear weights and the embedding quantized as llama.cpp would;
-    llama3 RoPE scaling as a rope_freqs tensor, as llama.cpp's converter writes it, unless `rope_freqs` is off)."""
+    llama3 RoPE scaling as a rope_freqs tensor, as llama.cpp's converter writes it, unless `rope_freqs` is off;
+    `quantize(name, array)`: a tensor's (blocks, GGMLQuantizationType) to write instead, or None for F32)."""
     import gguf
     from safetensors.torch import load_file
 
@@ -96,12 +98,19 @@ def write_llama_gguf(path, hf_dir, arch: str = "llama", qtype: str | None = None
     names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
              "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    def add(name: str, t: np.ndarray) -> None:
+        q = quantize(name, t) if quantize is not None else None
+        if q is not None:
+            w.add_tensor(name, q[0], raw_dtype=q[1])
+        else:
+            w.add_tensor(name, t)
+
     if rope_freqs and (cfg.get("rope_parameters") or {}).get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", llama3_rope_factors(cfg))
-    w.add_tensor("token_embd.weight", sd.pop("model.embed_tokens.weight"))
+    add("token_embd.weight", sd.pop("model.embed_tokens.weight"))
     w.add_tensor("output_norm.weight", sd.pop("model.norm.weight"))
     if "lm_head.weight" in sd:
-        w.add_tensor("output.weight", sd.pop("lm_head.weight"))
+        add("output.weight", sd.pop("lm_head.weight"))
     for i in range(cfg["num_hidden_layers"]):
         for hf_name, cpp_name in names.items():
             t = sd.pop(f"model.layers.{i}.{hf_name}.weight")
@@ -114,7 +123,7 @@ def write_llama_gguf(path, hf_dir, arch: str = "llama", qtype: str | None = None
                 gt = getattr(gguf.GGMLQuantizationType, qtype)
                 w.add_tensor(f"blk.{i}.{cpp_name}.weight", gguf.quants.quantize(t, gt), raw_dtype=gt)
             else:
-                w.add_tensor(f"blk.{i}.{cpp_name}.weight", t)
+                add(f"blk.{i}.{cpp_name}.weight", t)
     assert not sd, f"tensors left unwritten: {list(sd)}"
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -286,7 +295,7 @@ def test_gguf_kept_quantized_matches_dequantized(qtype, method, tiny_llama, tmp_
 
     path = tmp_path_factory.mktemp("gguf-q") / f"tiny-{qtype}.gguf"
     write_llama_gguf(path, tiny_llama, qtype=qtype)
-    dense = LLM(str(path), dtype="float32", num_kv_blocks=32, max_model_len=256)
+    dense = LLM(str(path), dtype="float32", num_kv_blocks=32, max_model_len=256, quantization="none")
     quant = LLM(str(path), dtype="float32", num_kv_blocks=32, max_model_len=256, quantization=method)
     qkv = quant.engine.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, QuantizedLinear) and qkv.bits == (4 if method == "int4" else 8)

@@ -1,11 +1,12 @@
 """Loading holds the served weights plus about one layer, never a second copy of the model.
 
 A random 8-layer model of ~180 MB (bf16, sharded safetensors with an index; and the same weights as an F16
-GGUF) is loaded by a fresh process, whose peak RSS (VmHWM, reset once the runtime is imported and warm) is
-compared with what the runner ends up holding: for bf16 (packed), int4 (quantized from the floats) and the
-GGUF (dequantized to bf16) the growth must stay within the served weights, twice the largest layer, the
-temporaries of quantizing one chunk of rows, and a small allowance. The loader that read every tensor first
-held about twice the model (checked here by the same measurement of a load from a dict of all tensors, which
+GGUF and as a Q8_0 one, whose blocks are kept) is loaded by a fresh process, whose peak RSS (VmHWM, reset once
+the runtime is imported and warm) is compared with what the runner ends up holding: for bf16 (packed), int4
+(quantized from the floats) and the GGUFs (the F16 one dequantized to bf16, the Q8_0 one's blocks repacked) the
+growth must stay within the served weights, twice the largest layer, the temporaries of quantizing one chunk of
+rows, and a small allowance. The loader that read every tensor first held about twice the model (checked here by
+the same measurement of a load from a dict of all tensors, which
 must exceed that bound).
 """
 
@@ -42,7 +43,7 @@ for m in ("int8", "int4"):
 with torch.device("meta"):  # meta tensors' first use imports torch's Python decompositions (~70 MB, once)
     LlamaModel(ModelConfig(vocab_size=32, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
                            num_kv_heads=2, head_dim=16))
-if fmt == "gguf":
+if fmt.startswith("gguf"):
     source = GGUFSource(path)
     cfg = source.config
 else:
@@ -66,7 +67,8 @@ if fmt == "dict":  # the old way: every tensor in memory first
 q = None if mode == "bf16" else mode
 runner = ModelRunner(cfg, source, EngineConfig(model=str(path), dtype="bfloat16", quantization=q, num_kv_blocks=4,
                                                max_model_len=64, max_num_batched_tokens=64, max_num_seqs=4))
-print(json.dumps({"growth": hwm() - before, "weights": runner.weight_bytes, "after": rss() - before}))
+print(json.dumps({"growth": hwm() - before, "weights": runner.weight_bytes, "after": rss() - before,
+                  "weight_dtype": runner.weight_dtype}))
 """
 
 
@@ -108,8 +110,9 @@ def write_model(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def write_gguf(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """The same weights as an F16 GGUF, as llama.cpp's converter lays them out."""
+def write_gguf(path: Path, tensors: dict[str, torch.Tensor], qtype: str = "F16") -> None:
+    """The same weights as an F16 GGUF (or with its 2-D weights in `qtype`'s blocks), as llama.cpp's converter
+    lays them out."""
     import gguf
 
     from tests.model.test_gguf import llama_cpp_permute
@@ -126,19 +129,26 @@ def write_gguf(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     w.add_head_count_kv(KV_HEADS)
     w.add_layer_norm_rms_eps(1e-5)
 
-    def f16(t):
-        return t.float().numpy().astype("float16")
+    def add(name, arr):
+        if qtype == "F16":
+            w.add_tensor(name, arr.astype("float16"))
+        else:
+            gt = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(name, gguf.quants.quantize(arr, gt), raw_dtype=gt)
 
-    w.add_tensor("token_embd.weight", f16(tensors["model.embed_tokens.weight"]))
+    add("token_embd.weight", tensors["model.embed_tokens.weight"].float().numpy())
     w.add_tensor("output_norm.weight", tensors["model.norm.weight"].float().numpy())
-    w.add_tensor("output.weight", f16(tensors["lm_head.weight"]))
+    add("output.weight", tensors["lm_head.weight"].float().numpy())
     for i in range(LAYERS):
         for hf, cpp in names.items():
             t = tensors[f"model.layers.{i}.{hf}.weight"]
-            arr = t.float().numpy() if t.ndim == 1 else f16(t)
+            if t.ndim == 1:
+                w.add_tensor(f"blk.{i}.{cpp}.weight", t.float().numpy())
+                continue
+            arr = t.float().numpy()
             if cpp in ("attn_q", "attn_k"):
                 arr = llama_cpp_permute(arr, HEADS if cpp == "attn_q" else KV_HEADS)
-            w.add_tensor(f"blk.{i}.{cpp}.weight", arr)
+            add(f"blk.{i}.{cpp}.weight", arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -150,6 +160,7 @@ def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("streamed") / "model"
     tensors = write_model(path)
     write_gguf(path.parent / "model.gguf", tensors)
+    write_gguf(path.parent / "model-q8_0.gguf", tensors, "Q8_0")  # served as its blocks by default
     return path
 
 
@@ -174,10 +185,16 @@ needs_clear_refs = pytest.mark.skipif(not Path("/proc/self/clear_refs").exists()
                                       reason="needs Linux's /proc/self/clear_refs")
 
 
+GGUF_FILES = {"gguf": "model.gguf", "gguf-q8_0": "model-q8_0.gguf"}
+
+
 @needs_clear_refs
-@pytest.mark.parametrize("mode,fmt", [("bf16", "hf"), ("int4", "hf"), ("bf16", "gguf")])
+@pytest.mark.parametrize("mode,fmt", [("bf16", "hf"), ("int4", "hf"), ("bf16", "gguf"), ("bf16", "gguf-q8_0")])
 def test_peak_is_the_served_weights_plus_a_layer(model_dir, mode, fmt):
-    r = load_in_child(mode, model_dir if fmt == "hf" else model_dir.parent / "model.gguf", fmt)
+    """gguf-q8_0: its blocks kept (packed from a mapping of the file, whose pages are let go tensor by tensor):
+    holding the file's pages beside the packed weights would exceed the bound by the file's ~100 MB."""
+    r = load_in_child(mode, model_dir if fmt == "hf" else model_dir.parent / GGUF_FILES[fmt], fmt)
+    assert r["weight_dtype"] == ("gguf" if fmt == "gguf-q8_0" else "int4" if mode == "int4" else "bfloat16")
     # what stays resident is the served weights: the sources' heap holes were handed back (`_trim_heap`)
     assert r["after"] <= r["weights"] + ALLOWANCE
     assert r["growth"] <= bound(r, mode), (

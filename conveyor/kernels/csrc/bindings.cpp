@@ -19,6 +19,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernel_api.h"
@@ -349,6 +350,143 @@ at::Tensor linear_int8(at::Tensor x, at::Tensor q, at::Tensor scale) {
   return out;
 }
 
+// --- GGUF block weights (linear_gguf.cpp) ---------------------------------------------------------------------
+// ggml's type id -> (elements, bytes) of one block; (0, 0) for a type the kernels do not take
+std::pair<int64_t, int64_t> gguf_block(int64_t type) {
+  switch (type) {
+    case 2: return {32, 18};    // Q4_0
+    case 3: return {32, 20};    // Q4_1
+    case 6: return {32, 22};    // Q5_0
+    case 7: return {32, 24};    // Q5_1
+    case 8: return {32, 34};    // Q8_0
+    case 12: return {256, 144};  // Q4_K
+    case 13: return {256, 176};  // Q5_K
+    case 14: return {256, 210};  // Q6_K
+    default: return {0, 0};
+  }
+}
+
+// bytes of an n x k weight of `type`, checking what the packed layout needs (n % 16 == 0, k whole blocks)
+int64_t gguf_bytes(int64_t type, int64_t n, int64_t k, const char* what) {
+  const auto [qk, bb] = gguf_block(type);
+  TORCH_CHECK(qk > 0, what, ": GGUF type ", type, " is not one the kernels take");
+  TORCH_CHECK(n > 0 && n % 16 == 0 && k > 0 && k % qk == 0, what, ": a ", n, " x ", k,
+              " weight does not fit (N a multiple of 16, K of ", qk, ")");
+  return n * (k / qk) * bb;
+}
+
+bool gguf_available() { return table().gguf_linear != nullptr; }
+
+// raw: uint8 [n, k / qk * block bytes] as the GGUF file holds the tensor -> the kernels' layout (as many bytes)
+at::Tensor gguf_pack(int64_t type, at::Tensor raw, int64_t k) {
+  TORCH_CHECK(table().gguf_pack != nullptr, "gguf_pack: not in this kernel variant");
+  TORCH_CHECK(raw.scalar_type() == at::kByte && raw.dim() == 2 && raw.device().is_cpu(), "gguf_pack: raw uint8 [n, bytes]");
+  const int64_t n = raw.size(0), bytes = gguf_bytes(type, n, k, "gguf_pack");
+  TORCH_CHECK(raw.numel() == bytes, "gguf_pack: raw has ", raw.numel(), " bytes, a ", n, " x ", k, " weight ", bytes);
+  raw = raw.contiguous();
+  auto out = at::empty({bytes}, raw.options());
+  table().gguf_pack(static_cast<int>(type), raw.data_ptr<uint8_t>(), out.data_ptr<uint8_t>(), n, k);
+  return out;
+}
+
+void gguf_check_rows(const char* what, int64_t type, const at::Tensor& packed, int64_t n, int64_t k,
+                     const at::Tensor& rows) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.device().is_cpu() &&
+                  packed.numel() == gguf_bytes(type, n, k, what),
+              what, ": packed must be gguf_pack's output for a ", n, " x ", k, " weight");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous(), what, ": rows int64 [count]");
+  const int64_t* r = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows.numel(); ++i) TORCH_CHECK(r[i] >= 0 && r[i] < n, what, ": row ", r[i], " out of range");
+}
+
+at::Tensor gguf_unpack_rows(int64_t type, at::Tensor packed, int64_t n, int64_t k, at::Tensor rows) {
+  gguf_check_rows("gguf_unpack_rows", type, packed, n, k, rows);
+  const auto [qk, bb] = gguf_block(type);
+  auto out = at::empty({rows.numel(), k / qk * bb}, packed.options());
+  if (rows.numel() > 0)
+    table().gguf_unpack_rows(static_cast<int>(type), packed.data_ptr<uint8_t>(), n, k, rows.data_ptr<int64_t>(),
+                             rows.numel(), out.data_ptr<uint8_t>());
+  return out;
+}
+
+at::Tensor gguf_dequant_rows(int64_t type, at::Tensor packed, int64_t n, int64_t k, at::Tensor rows) {
+  gguf_check_rows("gguf_dequant_rows", type, packed, n, k, rows);
+  auto out = at::empty({rows.numel(), k}, packed.options().dtype(at::kFloat));
+  if (rows.numel() > 0)
+    table().gguf_dequant_rows(static_cast<int>(type), packed.data_ptr<uint8_t>(), n, k, rows.data_ptr<int64_t>(),
+                              rows.numel(), out.data_ptr<float>());
+  return out;
+}
+
+// x [m, k] fp32/bf16 -> (q int8 [m, k], d fp32 [m, k / qk], sums int32 [m, k / 16]): gguf_linear's activations
+std::vector<at::Tensor> gguf_quantize_rows(at::Tensor x, int64_t qk) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && (qk == 32 || qk == 256) && x.size(1) % qk == 0,
+              "gguf_quantize_rows: x [m, k] with k a multiple of qk (32 or 256)");
+  const DType dt = float_dtype(x, "gguf_quantize_rows");
+  x = x.contiguous();
+  const int64_t m = x.size(0), k = x.size(1);
+  auto q = at::empty({m, k}, x.options().dtype(at::kChar));
+  auto d = at::empty({m, k / qk}, x.options().dtype(at::kFloat));
+  auto s = at::empty({m, k / 16}, x.options().dtype(at::kInt));
+  if (m > 0)
+    table().gguf_quantize_rows(dt, x.data_ptr(), m, k, qk, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>());
+  return {q, d, s};
+}
+
+// Checks a GGUF linear's weights (packed: the parts' packed bytes one after the other; meta int64 [P, 3]: type,
+// columns, byte offset into packed) against K, and returns the parts with their pointers.
+std::vector<conveyor::GGUFPart> gguf_parts(const at::Tensor& packed, const at::Tensor& meta, int64_t k, int64_t* n_out) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.device().is_cpu() &&
+                  packed.dim() == 1,
+              "gguf_linear: packed uint8 [bytes]");
+  TORCH_CHECK(meta.scalar_type() == at::kLong && meta.dim() == 2 && meta.size(1) == 3 && meta.size(0) > 0 &&
+                  meta.is_contiguous() && meta.device().is_cpu(),
+              "gguf_linear: meta int64 [parts, 3] (type, columns, byte offset)");
+  const int64_t* mp = meta.data_ptr<int64_t>();
+  std::vector<conveyor::GGUFPart> parts;
+  int64_t n = 0;
+  for (int64_t p = 0; p < meta.size(0); ++p) {
+    const int64_t type = mp[3 * p], cols = mp[3 * p + 1], off = mp[3 * p + 2];
+    const int64_t bytes = gguf_bytes(type, cols, k, "gguf_linear");
+    TORCH_CHECK(off >= 0 && off + bytes <= packed.numel(), "gguf_linear: part ", p, " lies outside packed");
+    parts.push_back({static_cast<int>(type), cols, packed.data_ptr<uint8_t>() + off});
+    n += cols;
+  }
+  *n_out = n;
+  return parts;
+}
+
+// A GGUF linear's K, from its first part's bytes (gguf_parts then checks every part against it).
+int64_t gguf_in_features(const at::Tensor& packed, const at::Tensor& meta) {
+  TORCH_CHECK(meta.scalar_type() == at::kLong && meta.dim() == 2 && meta.size(1) == 3 && meta.size(0) > 0 &&
+                  meta.is_contiguous(),
+              "gguf_linear: meta int64 [parts, 3] (type, columns, byte offset)");
+  const int64_t* mp = meta.data_ptr<int64_t>();
+  const auto [qk, bb] = gguf_block(mp[0]);
+  const int64_t end = meta.size(0) > 1 ? mp[5] : packed.numel(), bytes = end - mp[2];
+  TORCH_CHECK(qk > 0 && mp[1] > 0 && bytes > 0 && bytes % (mp[1] * bb) == 0, "gguf_linear: part 0's bytes do not fit");
+  return bytes / (mp[1] * bb) * qk;
+}
+
+// out [m, N] = x [m, K] @ W^T with W the GGUF parts (gguf_parts), each part's columns after the earlier parts'.
+at::Tensor gguf_linear(at::Tensor x, at::Tensor packed, at::Tensor meta) {
+  TORCH_CHECK(table().gguf_linear != nullptr, "gguf_linear: the kernel variant '", table().name,
+              "' has no GGUF kernels (they need AVX2 + FMA + F16C, or AVX-512 VNNI)");
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "gguf_linear: x must be a 2-D CPU tensor");
+  const DType dt = float_dtype(x, "gguf_linear");
+  int64_t n = 0;
+  const auto parts = gguf_parts(packed, meta, x.size(1), &n);
+  x = x.contiguous();
+  auto out = at::empty({x.size(0), n}, x.options());
+  if (x.size(0) > 0) {
+    conveyor::GGUFLinearArgs a{x.data_ptr(), out.data_ptr(), parts.data(), static_cast<int64_t>(parts.size()),
+                               x.size(0), x.size(1), n, dt};
+    table().gguf_linear(a);
+  }
+  return out;
+}
+// --- end GGUF ---------------------------------------------------------------------------------------------------
+
 // A Llama body's decoder layers in one call: the ops of LlamaModel's Python path (llama.py: DecoderLayer,
 // Attention, MLP with the compiled kernels), the same kernels in the same order on the same values, so the
 // bits are the same. Why: that path makes ~20 Python-level calls per layer (module calls, views, splits, one
@@ -358,7 +496,7 @@ at::Tensor linear_int8(at::Tensor x, at::Tensor q, at::Tensor scale) {
 // estimate, ~0.6 ms a step; in process the A/B was within this VM's noise: docs/performance.md, 2026-12-04.)
 // weights: per layer (input norm, qkv, o, post-attention norm, gate_up, down), the linears all packed for
 // `linear` ("linear_bf16", "linear_amx" or "linear_avx2": one tensor each; "linear_int4" or "linear_int8":
-// two, q and the scales), no biases but Qwen2's q/k/v ones (`qkv_biases`: one per layer, or none). Returns (x, residual) as the last layer leaves them (the final norm is
+// two, q and the scales; "gguf_linear": two, the packed bytes and the parts' meta), no biases but Qwen2's q/k/v ones (`qkv_biases`: one per layer, or none). Returns (x, residual) as the last layer leaves them (the final norm is
 // Python's); the residual is `residual_in`, or x, updated in place.
 std::vector<at::Tensor> decoder_layers(at::Tensor x, c10::optional<at::Tensor> residual_in, at::Tensor cos,
                                        at::Tensor sin, const std::vector<at::Tensor>& weights,
@@ -369,13 +507,15 @@ std::vector<at::Tensor> decoder_layers(at::Tensor x, c10::optional<at::Tensor> r
   const Table& tb = table();
   const bool int4 = linear == "linear_int4", int8 = linear == "linear_int8";
   const bool bf16 = linear == "linear_bf16", amx = linear == "linear_amx", avx2 = linear == "linear_avx2";
+  const bool gguf = linear == "gguf_linear";  // GGUF block weights (linear_gguf.cpp): packed bytes and meta
   const bool dense = bf16 || amx || avx2;
   TORCH_CHECK((bf16 && tb.linear_bf16) || (amx && tb.linear_amx) || (avx2 && tb.linear_avx2) ||
-                  (int4 && tb.linear_int4) || (int8 && tb.linear_int8),
+                  (int4 && tb.linear_int4) || (int8 && tb.linear_int8) || (gguf && tb.gguf_linear),
               "decoder_layers: linear '", linear, "' is unknown or not in the variant '", tb.name, "'");
-  const int64_t k_multiple = int4 || amx ? 32 : 2;  // what each kernel needs of K
+  const int64_t k_multiple = int4 || amx ? 32 : gguf ? 1 : 2;  // what each kernel needs of K (GGUF: its parts')
   // tensors per linear (s), per layer (per)
-  const size_t layers = k_caches.size(), s = int4 || int8 ? 2 : 1, per = 2 + 4 * s;
+  const size_t layers = k_caches.size(), s = int4 || int8 || gguf ? 2 : 1, per = 2 + 4 * s;
+  std::vector<std::vector<conveyor::GGUFPart>> gguf_lin(gguf ? 4 * layers : 0);  // per layer and linear
   TORCH_CHECK(weights.size() == per * layers && v_caches.size() == layers && layers > 0 && x.dim() == 2 &&
                   x.is_contiguous(),
               "decoder_layers: ", per, " weights and one (K, V) cache per layer, x [T, hidden] contiguous");
@@ -403,6 +543,9 @@ std::vector<at::Tensor> decoder_layers(at::Tensor x, c10::optional<at::Tensor> r
                         lw[j][1].is_contiguous() && lw[j][1].dim() == 4 && lw[j][1].size(1) * 32 == q.size(1) * 2,
                     "decoder_layers: int4 weights as quantization.py packs them");
         out_w[j] = q.size(0) * 16, in_w[j] = q.size(1) * 2;
+      } else if (gguf) {
+        in_w[j] = gguf_in_features(q, lw[j][1]);
+        gguf_lin[4 * i + j] = gguf_parts(q, lw[j][1], in_w[j], &out_w[j]);
       } else if (int8) {
         TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 3 && lw[j][1].scalar_type() == at::kFloat &&
                         lw[j][1].is_contiguous() && lw[j][1].numel() == q.size(0) * 16,
@@ -459,8 +602,14 @@ std::vector<at::Tensor> decoder_layers(at::Tensor x, c10::optional<at::Tensor> r
   // qkv's piece as a tensor, for the biases' add_
   const at::Tensor qkv_t = ws.narrow(0, (static_cast<char*>(qkv) - static_cast<char*>(ws.data_ptr())) / es, t * qkv_w)
                                .view({t, qkv_w});
+  size_t layer = 0;  // the layer `apply` runs (for the GGUF parts)
   auto apply = [&](const void* in, const at::Tensor* w, void* o, int64_t k, int64_t n) {
-    if (int4)
+    if (gguf) {
+      // which of the layer's four linears `w` is: its tensors sit at 1, 1 + s, 2 + 2s, 2 + 3s in the layer's
+      const auto& parts = gguf_lin[4 * layer + (w - &weights[per * layer] - 1) / s];
+      const conveyor::GGUFLinearArgs a{in, o, parts.data(), static_cast<int64_t>(parts.size()), t, k, n, dt};
+      tb.gguf_linear(a);
+    } else if (int4)
       tb.linear_int4(dt, in, w[0].data_ptr<uint8_t>(), w[1].data_ptr<float>(), o, t, k, n);
     else if (int8)
       tb.linear_int8(dt, in, w[0].data_ptr<int8_t>(), w[1].data_ptr<float>(), o, t, k, n);
@@ -487,6 +636,7 @@ std::vector<at::Tensor> decoder_layers(at::Tensor x, c10::optional<at::Tensor> r
   for (size_t i = 0; i < layers; ++i) {
     // input norm, qkv, o, post-attention norm, gate_up, down
     const at::Tensor* w = &weights[per * i];
+    layer = i;
     // the first layer: the embeddings are the residual stream, normed alone; then residual += x, norm
     if (i == 0 && first_is_embedding)
       tb.rms_norm(dt, rp, nullptr, w[0].data_ptr(), t, hidden, static_cast<float>(eps), xn);
@@ -654,6 +804,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_int8_available", &linear_int8_available, "whether the chosen variant has the AVX2 int8 linear");
   m.def("linear_int8", &linear_int8, "x @ W^T with W as int8 per channel, AVX2 FMAs, batch-invariant (CPU)",
         release());
+  // GGUF block weights (linear_gguf.cpp)
+  m.def("gguf_available", &gguf_available, "whether the chosen variant has the GGUF block-weight linear");
+  m.def("gguf_pack", &gguf_pack, "a GGUF tensor's blocks [n, bytes] in gguf_linear's layout", py::arg("type"),
+        py::arg("raw"), py::arg("k"), release());
+  m.def("gguf_unpack_rows", &gguf_unpack_rows, "rows of a packed GGUF weight back as GGUF blocks", py::arg("type"),
+        py::arg("packed"), py::arg("n"), py::arg("k"), py::arg("rows"), release());
+  m.def("gguf_dequant_rows", &gguf_dequant_rows, "rows of a packed GGUF weight dequantized as gguf-py does (fp32)",
+        py::arg("type"), py::arg("packed"), py::arg("n"), py::arg("k"), py::arg("rows"), release());
+  m.def("gguf_quantize_rows", &gguf_quantize_rows, "activations as gguf_linear quantizes them: (q, d, sums per 16)",
+        py::arg("x"), py::arg("qk"), release());
+  m.def("gguf_linear", &gguf_linear, "x @ W^T with W GGUF blocks (several parts), int8 dot products (CPU)",
+        py::arg("x"), py::arg("packed"), py::arg("meta"), release());
   m.def("decoder_layers", &decoder_layers, "a Llama body's decoder layers in one call, as llama.py runs them (CPU)",
         py::arg("x"), py::arg("residual"), py::arg("cos"), py::arg("sin"), py::arg("weights"), py::arg("k_caches"),
         py::arg("v_caches"), py::arg("slots"), py::arg("block_tables"), py::arg("cu_q"), py::arg("ctx_lens"),

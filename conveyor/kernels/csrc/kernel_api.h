@@ -89,6 +89,21 @@ struct LoRAArgs {
   DType dtype;
 };
 
+// gguf_linear (linear_gguf.cpp): GGUF block weights, several parts side by side in one output (q/k/v, gate/up
+// fused, each part with its own GGUF type). part.w: that part's weights as gguf_pack lays them out, n % 16 == 0.
+struct GGUFPart {
+  int type;  // ggml's type id (Q4_0 = 2, ..., Q6_K = 14)
+  int64_t n;
+  const uint8_t* w;
+};
+struct GGUFLinearArgs {
+  const void* x;  // [m, k], fp32 or bf16 (`dt`, also the output's)
+  void* out;      // [m, ldo]: part p's columns after the earlier parts'
+  const GGUFPart* parts;
+  int64_t num_parts, m, k, ldo;
+  DType dt;
+};
+
 // Every entry point of one variant. A null entry: not compiled into this variant (e.g. linear_bf16 needs
 // AVX-512 BF16). Add a field here for a new kernel, set it in that file's register_<file>().
 struct Table {
@@ -117,6 +132,20 @@ struct Table {
   void (*linear_int8)(DType dt, const void* x, const int8_t* q, const float* scale, void* out, int64_t m, int64_t k,
                       int64_t n) = nullptr;
   void (*lora_sgmv)(const LoRAArgs&) = nullptr;
+  // --- GGUF block weights (linear_gguf.cpp) ---
+  // GGUF rows [n][k] of `type` -> the kernel's layout (the same bytes, rearranged), and rows of it back
+  void (*gguf_pack)(int type, const uint8_t* src, uint8_t* dst, int64_t n, int64_t k) = nullptr;
+  void (*gguf_unpack_rows)(int type, const uint8_t* packed, int64_t n, int64_t k, const int64_t* rows, int64_t count,
+                           uint8_t* dst) = nullptr;
+  // rows of a packed weight dequantized as gguf-py does (embedding lookups), fp32 [count][k]
+  void (*gguf_dequant_rows)(int type, const uint8_t* packed, int64_t n, int64_t k, const int64_t* rows, int64_t count,
+                            float* out) = nullptr;
+  // the activations as gguf_linear quantizes them: int8 [m][k], scales [m][k / qk], sums per 16 [m][k / 16]
+  void (*gguf_quantize_rows)(DType dt, const void* x, int64_t m, int64_t k, int64_t qk, int8_t* q, float* d,
+                             int32_t* sums) = nullptr;
+  // AVX-512 VNNI or AVX2; null in the generic variant (the caller then dequantizes the weights at load)
+  void (*gguf_linear)(const GGUFLinearArgs&) = nullptr;
+  // --- end GGUF ---
   void (*sample_rows)(const float* logits, int64_t rows, int64_t vocab, const float* temperature,
                       const int64_t* top_k, const float* top_p, const float* min_p, const double* uniform,
                       int64_t* out) = nullptr;
