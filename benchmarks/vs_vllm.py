@@ -207,8 +207,9 @@ class TreeMemory(threading.Thread):
                                             for phase, v in self.peak.items() for i, kind in enumerate(("rss", "pss"))}}
 
 
-# conveyor's flags for a GGUF file by its format: Q4_0/Q4_1 blocks are kept as they are under --quantization int4
-GGUF_CONVEYOR_FLAGS = {"Q4_0": ["--quantization", "int4"], "Q4_1": ["--quantization", "int4"]}
+# conveyor's flags for a GGUF file by its format: none, its defaults are what a user gets (a GGUF file whose layer
+# weights are Q8_0, Q4_0, Q5_x or k-quants is served in its blocks; docs/quantization.md)
+GGUF_CONVEYOR_FLAGS: dict[str, list[str]] = {}
 
 
 class Servers:
