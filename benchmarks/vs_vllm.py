@@ -227,8 +227,12 @@ class Servers:
         port, env = self.port, dict(os.environ)
         if server == "conveyor":
             target = str(gguf) if gguf else "smollm2-135m" if model == "smollm2" else str(model_dir(model, peers))
-            flags = GGUF_CONVEYOR_FLAGS.get(variant, []) if gguf else (
-                ["--quantization", variant] if variant not in ("bf16",) else [])
+            # `VARIANT@TREE`: conveyor from another checkout (a before/after comparison in one run)
+            weights, _, tree = variant.partition("@")
+            if tree:
+                env["PYTHONPATH"] = str(Path(tree).expanduser().resolve())
+            flags = GGUF_CONVEYOR_FLAGS.get(weights, []) if gguf else (
+                ["--quantization", weights] if weights != "bf16" else [])
             cmd = [sys.executable, "-m", "conveyor", "serve", "--model", target, "--served-model-name", model,
                    "--port", str(port), "--host", "127.0.0.1", *([] if gguf else ["--dtype", "bfloat16"]), *flags,
                    *self.args.conveyor_args.split()]
@@ -596,7 +600,8 @@ def main() -> int:
     ap.add_argument("--neighbours", default="0", help="comma-separated counts of CPU-bound neighbour processes "
                     "(`python -c 'while True: pass'`) to run each load beside, e.g. 0,1: quiet, then beside one")
     ap.add_argument("--conveyor-variants", default="bf16", help="conveyor's weights in each run: bf16 and/or a "
-                    "--quantization value (e.g. bf16,int4)")
+                    "--quantization value (e.g. bf16,int4); VARIANT@DIR runs conveyor from the checkout in DIR "
+                    "(e.g. bf16@/tmp/before,bf16: before and after a change, in one run)")
     ap.add_argument("--vllm-kv-gib", type=float, default=6, help="VLLM_CPU_KVCACHE_SPACE for vLLM-cpu")
     ap.add_argument("--our-client", action="store_true", help="also drive every server with conveyor bench run")
     ap.add_argument("--conveyor-args", default="", help="extra `conveyor serve` flags")
