@@ -432,6 +432,7 @@ def _process_main(config: EngineConfig, conn, log_level: int) -> None:
                 pass
 
     EngineLoop(engine, get, emit).run()
+    engine.close()  # the disk tier's last writes (multiprocessing ends a child without atexit handlers)
 
 
 class ProcessEngineClient(EngineClient):
