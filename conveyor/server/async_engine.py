@@ -354,7 +354,7 @@ class AsyncEngine:
             phase_seconds=s.phase_seconds, scheduler=s.scheduler, scheduler_switches=s.scheduler_switches,
             spec_drafts=s.spec_drafts, spec_draft_tokens=s.spec_draft_tokens,
             spec_accepted_tokens=s.spec_accepted_tokens, spec_accepted_per_pos=s.spec_accepted_per_pos,
-            lora_running=s.lora_running, lora_waiting=s.lora_waiting)
+            lora_running=s.lora_running, lora_waiting=s.lora_waiting, kv_disk=s.kv_disk)
 
     def _maybe_log(self) -> None:
         now = time.monotonic()
