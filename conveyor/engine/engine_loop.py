@@ -338,6 +338,8 @@ class ThreadEngineClient(EngineClient):
         self.stepped_on = threading.get_ident()
         try:
             EngineLoop(self.engine, self._get, self._deliver).run()
+            if self.built_on is not None:  # an engine this client built ends with its loop (a server that stops)
+                self.engine.close()
         finally:
             self.ended = True
 

@@ -68,7 +68,8 @@ SUFFIX = ".kvb"
 MAX_QUEUED_WRITES = 4096  # write jobs waiting for the writer; more are dropped (counted)
 MAX_STAGED_BYTES = 64 * 2**20  # bytes copied at eviction for jobs still waiting; more are dropped
 INLINE_LOAD_S = 0.002  # a load expected to take less than this runs on the engine's thread, at once
-MAX_LOAD_ATTEMPTS = 2  # loads per request (its loaded blocks may be evicted again before it is admitted)
+MAX_LOAD_ATTEMPTS = 4  # reads per request at admission (a busy pool may evict what was read before it gets in)
+UNCLAIMED_STEPS = 2  # steps a read waits for its request's admission before its share of the pool goes back
 LOAD_POLICIES = KV_DISK_LOADS
 _TAIL = struct.Struct("<QII")  # payload length, payload CRC-32, header CRC-32
 

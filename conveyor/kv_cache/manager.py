@@ -13,6 +13,7 @@ everything after that (admission, `cached_tokens`, sharing) treats them as prefi
 from __future__ import annotations
 
 import hashlib
+import logging
 import struct
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,8 @@ from conveyor.request import Request
 
 if TYPE_CHECKING:
     from conveyor.kv_cache.disk_tier import DiskTier, LoadJob
+
+log = logging.getLogger("conveyor.kv_cache")
 
 _NO_PARENT = b"\0" * 32
 
@@ -62,6 +65,8 @@ class KVCacheManager:
         self.tier = tier if enable_caching else None
         self._loads: dict[str, LoadJob] = {}
         self._load_attempts: dict[str, int] = {}
+        # blocks read for requests not admitted yet: rid -> [blocks, read ahead of admission, steps left]
+        self._unclaimed: dict[str, list] = {}
         if self.tier is not None:
             self.tier.attach(self.pool)
 
@@ -143,6 +148,8 @@ class KVCacheManager:
 
     def allocate_slots(self, req: Request, num_new_tokens: int, cached: list[int] = ()) -> bool:
         """Make room for `num_new_tokens` more tokens (after `cached` prefix blocks). All or nothing."""
+        if self._unclaimed:
+            self._unclaimed.pop(req.request_id, None)  # admitted (or running): what was read for it is its own
         if self._blocks_needed(req, num_new_tokens, cached) > self.pool.num_free:
             return False
         table = self.block_tables.setdefault(req.request_id, [])
@@ -209,15 +216,22 @@ class KVCacheManager:
         return copies
 
     # --- the disk tier ---------------------------------------------------------------------------------
+    # Blocks read from disk wait in the pool as cached blocks until their request is admitted ("unclaimed"),
+    # the most recently used of the free blocks. Reads are bounded so that they cannot evict each other:
+    # unclaimed blocks stay within a quarter of the pool for reads at admission, and as much again for reads
+    # ahead of it (`prefetch`); a request whose read does not fit waits for its turn (a step or two: an
+    # unclaimed read gives its share back after `UNCLAIMED_STEPS` steps). Without the bound, a policy that
+    # tries many admissions per step (fair) had each read evict the one before it, and recomputed everything.
     def prefetch(self, req: Request) -> None:
         """Start reading the request's prefix blocks from disk now (it was just queued), so that they are in
-        the pool by the time it is admitted."""
+        the pool by the time it is admitted; only if there is room in the read-ahead share."""
         if self.tier is not None and req.request_id not in self._loads and req.num_computed_tokens == 0:
-            self._start_load(req, self.lookup_prefix(req))
+            self._start_load(req, self.lookup_prefix(req), ahead=True)
 
     def fetch_from_tier(self, req: Request, cached: list[int]) -> list[int] | None:
         """The request's cached prefix blocks (`cached`: its pool hits) after reading what follows them
-        from disk, or None while a read is under way (the request waits; it is admitted once they are in)."""
+        from disk, or None while a read is under way or waits for its turn (the request is not admitted
+        now; it is once its blocks are in)."""
         rid = req.request_id
         job = self._loads.get(rid)
         if job is not None:
@@ -225,16 +239,21 @@ class KVCacheManager:
                 return None
             self._finish_load(rid)
             cached = self.lookup_prefix(req)
-        started = self._start_load(req, cached)
+        started = self._start_load(req, cached, ahead=False)
         if started is None:
             return cached
         return self.lookup_prefix(req) if started else None
 
     def poll_loads(self) -> None:
-        """Put the blocks of every finished read into the pool (as cached blocks), whether or not their
-        request is admitted now. Once per step."""
+        """Once per step: put the blocks of every finished read into the pool (as cached blocks), and age
+        the unclaimed reads."""
         for rid in [rid for rid, job in self._loads.items() if job.done.is_set()]:
             self._finish_load(rid)
+        for rid, entry in list(self._unclaimed.items()):
+            if rid not in self._loads:
+                entry[2] -= 1
+                if entry[2] <= 0:
+                    del self._unclaimed[rid]
 
     @property
     def loads_in_flight(self) -> bool:
@@ -247,41 +266,49 @@ class KVCacheManager:
                 job.done.wait(timeout)
                 return
 
-    def _start_load(self, req: Request, cached: list[int]) -> bool | None:
+    def _start_load(self, req: Request, cached: list[int], ahead: bool) -> bool | None:
         """Read the blocks that follow `cached` from disk, as far as they are there and the policy says
-        reading beats recomputing. None: nothing to read; True: read already (a short read runs here, at
-        once); False: reading in the background."""
-        from conveyor.kv_cache.disk_tier import INLINE_LOAD_S, MAX_LOAD_ATTEMPTS, LoadJob
+        reading beats recomputing. None: nothing to read (compute); True: read already (a short read runs
+        here, at once); False: reading in the background, or waiting for its turn to read."""
+        from conveyor.kv_cache.disk_tier import INLINE_LOAD_S, MAX_LOAD_ATTEMPTS, UNCLAIMED_STEPS, LoadJob
 
         tier = self.tier
         rid = req.request_id
         attempts = self._load_attempts.get(rid, 0)
         max_blocks = (req.num_tokens - 1) // self.block_size
         start = len(cached)
-        if attempts >= MAX_LOAD_ATTEMPTS or start >= max_blocks:
+        if (attempts >= MAX_LOAD_ATTEMPTS and not ahead) or start >= max_blocks or rid in self._unclaimed:
             return None
         hashes = self._block_hashes(req, max_blocks)
         found = tier.run_length(hashes[start:max_blocks])
         if not found:
             return None
-        revived = sum(1 for b in cached if self.pool.ref_cnt[b] == 0)
-        room = (self.pool.num_free - revived) // 2  # never take more than half of what is free for a read
-        if room <= 0:
-            return None  # the pool is busy: look again at the next admission attempt
         want = tier.policy.blocks_to_load(found)
-        tier.hits += found
-        tier.recomputed += found - want
-        n = min(want, room)
-        if n <= 0:
-            self._load_attempts[rid] = MAX_LOAD_ATTEMPTS  # recompute: decided once for this request
+        if want == 0:  # recompute: decided once for this request
+            tier.hits += found
+            tier.recomputed += found
+            self._load_attempts[rid] = MAX_LOAD_ATTEMPTS
             return None
-        self._load_attempts[rid] = attempts + 1
+        # a block read is a block the request would take anyway to compute those tokens: at admission a read
+        # may take every free block; ahead of admission, at most half of them
+        share = max(self.num_blocks // 4, 1)
+        unclaimed = sum(e[0] for e in self._unclaimed.values() if e[1] or not ahead)
+        room = self.num_free_blocks - sum(1 for b in cached if self.pool.ref_cnt[b] == 0)
+        n = min(want, room // 2 if ahead else room)
+        if n <= 0 or (unclaimed and unclaimed + n > share):  # (a read alone may be larger than the share)
+            return None if ahead else False  # no room now: it waits for its turn (a read ahead is not owed one)
+        tier.hits += n
+        if not ahead:
+            self._load_attempts[rid] = attempts + 1
+        self._unclaimed[rid] = [n, ahead, UNCLAIMED_STEPS]
         self.pool.touch(cached)  # the hits must not be evicted to make room for what follows them
         blocks = self.pool.allocate(n)
         self.pool.release(cached)
         job = LoadJob(blocks, hashes[start:start + n], self._keys[rid][start:start + n])
         self._loads[rid] = job
         inline = n * tier.policy.read_s <= INLINE_LOAD_S
+        log.debug("request %s: %d prompt blocks found on disk after %d in the pool; reading %d %s%s", rid, found,
+                  start, n, "now" if inline else "in the background", " (ahead of admission)" if ahead else "")
         tier.start_load(job, inline)
         if inline:
             self._finish_load(rid)
@@ -304,3 +331,4 @@ class KVCacheManager:
             job.done.wait()  # the reader writes into its blocks until then (it stops at the next block)
             self._finish_load(rid)
         self._load_attempts.pop(rid, None)
+        self._unclaimed.pop(rid, None)
