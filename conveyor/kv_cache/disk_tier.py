@@ -88,8 +88,9 @@ def weights_digest(tensors: dict[str, torch.Tensor], samples: int = 4096) -> str
         flat = t.detach().reshape(-1)
         h.update(f"{name}|{tuple(t.shape)}|{t.dtype}\0".encode())
         if flat.numel():
-            idx = torch.linspace(0, flat.numel() - 1, min(samples, flat.numel())).long()
-            h.update(flat[idx].float().cpu().numpy().tobytes())
+            k = min(samples, flat.numel())
+            idx = torch.arange(k, dtype=torch.int64) * (flat.numel() - 1) // max(k - 1, 1)  # exact: no float rounding
+            h.update(flat[idx].contiguous().cpu().view(torch.uint8).numpy().tobytes())  # the bits, as stored
     return h.hexdigest()
 
 

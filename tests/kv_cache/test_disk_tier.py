@@ -354,3 +354,15 @@ def test_a_recompute_decision_reads_nothing_and_is_counted(tiers):
     again = req_("again", prompt(50))
     assert load(kv, again) == [] and tier.loads == 0 and tier.recomputed == 4 and tier.hits == 4
     assert load(kv, again) == [] and tier.recomputed == 4  # decided once per request
+
+
+def test_the_weights_digest_reads_values_not_names():
+    big = torch.arange(28_311_552, dtype=torch.float32)  # SmolLM2's embedding size: float index rounding once overran
+    w = {"a": big, "b": torch.ones(3, 4)}
+    d = disk_tier.weights_digest(w)
+    assert d == disk_tier.weights_digest({"b": torch.ones(3, 4), "a": big.clone()})
+    big2 = big.clone()
+    big2[-1] = -5.0  # the last element is always sampled
+    assert disk_tier.weights_digest({"a": big2, "b": torch.ones(3, 4)}) != d
+    assert disk_tier.weights_digest({"a": big, "b": torch.ones(4, 3)}) != d
+    assert disk_tier.weights_digest({"a": big, "b": 2 * torch.ones(3, 4)}) != d
