@@ -366,3 +366,20 @@ def test_the_weights_digest_reads_values_not_names():
     assert disk_tier.weights_digest({"a": big2, "b": torch.ones(3, 4)}) != d
     assert disk_tier.weights_digest({"a": big, "b": torch.ones(4, 3)}) != d
     assert disk_tier.weights_digest({"a": big, "b": 2 * torch.ones(3, 4)}) != d
+
+
+def test_the_device_path_moves_the_same_bytes(tiers):
+    """Pools off the CPU (CUDA) are copied through host memory instead of read in place: the same path,
+    forced here on CPU tensors, writes and reads the same files."""
+    tier, _ = tiers(tensors=pool_tensors(int8=True))
+    tier.io.host = False
+    kv = KVCacheManager(NUM_BLOCKS, BS, tier=tier)
+    reqs = [req_(f"r{i}", prompt(60 + i)) for i in range(4)]
+    fill_and_flush(tier, kv, reqs)
+    assert tier.writes == 16
+    again = req_("again", reqs[0].prompt_token_ids)
+    assert_blocks_hold(tier.io, again, load(kv, again))
+    tier.io.host = True  # and the CPU path reads what the device path wrote
+    kv.pool.reset_cache()
+    again2 = req_("again2", reqs[1].prompt_token_ids)
+    assert_blocks_hold(tier.io, again2, load(kv, again2))
