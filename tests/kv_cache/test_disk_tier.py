@@ -91,10 +91,13 @@ def load(kv: KVCacheManager, req: Request) -> list[int]:
     """Admission's view: the request's cached blocks after the tier had its say (waiting for a read)."""
     cached = kv.lookup_prefix(req)
     got = kv.fetch_from_tier(req, cached)
-    while got is None:
+    for _ in range(100):
+        if got is not None:
+            return got
         kv.wait_for_loads(1.0)
+        kv.poll_loads()  # what each engine step does first
         got = kv.fetch_from_tier(req, cached)
-    return got
+    raise AssertionError("the read never finished")
 
 
 def assert_blocks_hold(io: BlockIO, req: Request, blocks: list[int]) -> None:
