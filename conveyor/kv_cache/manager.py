@@ -148,10 +148,10 @@ class KVCacheManager:
 
     def allocate_slots(self, req: Request, num_new_tokens: int, cached: list[int] = ()) -> bool:
         """Make room for `num_new_tokens` more tokens (after `cached` prefix blocks). All or nothing."""
-        if self._unclaimed:
-            self._unclaimed.pop(req.request_id, None)  # admitted (or running): what was read for it is its own
         if self._blocks_needed(req, num_new_tokens, cached) > self.pool.num_free:
             return False
+        if self._unclaimed:
+            self._unclaimed.pop(req.request_id, None)  # admitted (or running): what was read for it is its own
         table = self.block_tables.setdefault(req.request_id, [])
         if cached:
             self.pool.touch(list(cached))
@@ -277,7 +277,8 @@ class KVCacheManager:
         attempts = self._load_attempts.get(rid, 0)
         max_blocks = (req.num_tokens - 1) // self.block_size
         start = len(cached)
-        if (attempts >= MAX_LOAD_ATTEMPTS and not ahead) or start >= max_blocks or rid in self._unclaimed:
+        mine = self._unclaimed.get(rid)  # one read at a time per request; admission may add to a read-ahead
+        if (attempts >= MAX_LOAD_ATTEMPTS and not ahead) or start >= max_blocks or (mine and (ahead or not mine[1])):
             return None
         hashes = self._block_hashes(req, max_blocks)
         found = tier.run_length(hashes[start:max_blocks])
@@ -290,9 +291,10 @@ class KVCacheManager:
             self._load_attempts[rid] = MAX_LOAD_ATTEMPTS
             return None
         # a block read is a block the request would take anyway to compute those tokens: at admission a read
-        # may take every free block; ahead of admission, at most half of them
+        # may take every free block; ahead of admission, at most half of them. Reads at admission count only
+        # each other against their share; reads ahead count every unclaimed read
         share = max(self.num_blocks // 4, 1)
-        unclaimed = sum(e[0] for e in self._unclaimed.values() if e[1] or not ahead)
+        unclaimed = sum(e[0] for r, e in self._unclaimed.items() if r != rid and (ahead or not e[1]))
         room = self.num_free_blocks - sum(1 for b in cached if self.pool.ref_cnt[b] == 0)
         n = min(want, room // 2 if ahead else room)
         if n <= 0 or (unclaimed and unclaimed + n > share):  # (a read alone may be larger than the share)
@@ -300,7 +302,7 @@ class KVCacheManager:
         tier.hits += n
         if not ahead:
             self._load_attempts[rid] = attempts + 1
-        self._unclaimed[rid] = [n, ahead, UNCLAIMED_STEPS]
+        self._unclaimed[rid] = [n + (mine[0] if mine else 0), ahead, UNCLAIMED_STEPS]
         self.pool.touch(cached)  # the hits must not be evicted to make room for what follows them
         blocks = self.pool.allocate(n)
         self.pool.release(cached)

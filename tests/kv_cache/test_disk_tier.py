@@ -386,3 +386,45 @@ def test_the_device_path_moves_the_same_bytes(tiers):
     kv.pool.reset_cache()
     again2 = req_("again2", reqs[1].prompt_token_ids)
     assert_blocks_hold(tier.io, again2, load(kv, again2))
+
+
+def test_reads_for_requests_not_admitted_yet_take_turns(tiers, monkeypatch):
+    """At most a quarter of the pool is read for requests that are not admitted yet; the next request's
+    read waits (held, not recomputed) until the first is admitted or its share expires."""
+    monkeypatch.setattr(disk_tier, "INLINE_LOAD_S", 0.0)  # reads in the reader thread, as for a long prompt
+    tier, _ = tiers()
+    kv = KVCacheManager(NUM_BLOCKS, BS, tier=tier)  # a share of 16 // 4 = 4 blocks
+    a_tokens, b_tokens = prompt(70), prompt(71)
+    fill_and_flush(tier, kv, [req_("a0", a_tokens), req_("b0", b_tokens)])
+    kv.pool.reset_cache()
+    a, b = req_("a", a_tokens), req_("b", b_tokens)
+    assert kv.fetch_from_tier(a, []) is None  # a's 4 blocks are being read
+    kv.wait_for_loads(5.0)
+    assert kv.fetch_from_tier(b, []) is None  # b waits for its turn: a's read is not claimed yet
+    assert not kv.loads_in_flight
+    got_a = kv.fetch_from_tier(a, [])
+    assert len(got_a) == 4 and kv.allocate_slots(a, 1, got_a)  # a is admitted: the share is free again
+    assert kv.fetch_from_tier(b, []) is None  # now b's read starts
+    kv.wait_for_loads(5.0)
+    got_b = kv.fetch_from_tier(b, [])
+    assert len(got_b) == 4
+    assert_blocks_hold(tier.io, b, got_b)
+    c = req_("c", prompt(70))  # a's prompt again, for another request: in the pool now, nothing to read
+    assert kv.fetch_from_tier(c, kv.lookup_prefix(c)) == got_a
+
+
+def test_an_unclaimed_read_gives_its_share_back_after_two_steps(tiers, monkeypatch):
+    monkeypatch.setattr(disk_tier, "INLINE_LOAD_S", 0.0)
+    tier, _ = tiers()
+    kv = KVCacheManager(NUM_BLOCKS, BS, tier=tier)
+    fill_and_flush(tier, kv, [req_("a0", prompt(80)), req_("b0", prompt(81))])
+    kv.pool.reset_cache()
+    a, b = req_("a", prompt(80)), req_("b", prompt(81))
+    assert kv.fetch_from_tier(a, []) is None
+    kv.wait_for_loads(5.0)
+    kv.poll_loads()  # a step: a's read is in the pool, a is not admitted (say the step was full)
+    assert kv.fetch_from_tier(b, []) is None and not kv.loads_in_flight  # b waits
+    kv.poll_loads()  # a second step: a's share expires
+    assert kv.fetch_from_tier(b, []) is None and kv.loads_in_flight  # b reads
+    kv.wait_for_loads(5.0)
+    assert len(kv.fetch_from_tier(b, [])) == 4
