@@ -106,10 +106,11 @@ def one(spec: dict) -> dict:
         if part == "writecost":
             rng = random.Random(spec["seed"])
             prompts = [tokens(rng, spec["input_len"]) for _ in range(spec["num_prompts"])]
+            cpu0 = time.process_time()
             res = drive(engine, prompts, spec["concurrency"], spec["output_len"])
             if engine.kv_disk is not None:
                 engine.kv_disk.flush()
-            return {**res, "tier": tier_stats(engine)}
+            return {**res, "process_cpu_s": time.process_time() - cpu0, "tier": tier_stats(engine)}
         if part == "costs":
             return costs_run(engine, spec)
         raise ValueError(part)
@@ -264,10 +265,14 @@ def part_writecost(args) -> dict:
             res[name].append(r)
             print(f"  round {i + 1} {name}: {r['total_tok_s']:.0f} tok/s", file=sys.stderr, flush=True)
     ratios = [a["total_tok_s"] / b["total_tok_s"] for a, b in zip(res["tier"], res["no-tier"])]
+    # the tier's own CPU (its writer thread), a share of the whole process's: what it takes from the engine
+    # on a machine with no core to spare, whatever else runs on the machine
+    cpu_share = [r["tier"]["write_cpu_s"] / r["process_cpu_s"] for r in res["tier"]]
     print(f"writecost: throughput with the tier on and no hits / off: per round {[round(x, 3) for x in ratios]}, "
           f"median {statistics.median(ratios):.3f}; tier wrote {res['tier'][-1]['tier']['writes']} blocks a round, "
-          f"dropped {res['tier'][-1]['tier']['write_drops']}")
-    return {"spec": spec, "ratios": ratios, **res}
+          f"dropped {res['tier'][-1]['tier']['write_drops']}; the writer thread's CPU: "
+          f"{[f'{100 * x:.2f}%' for x in cpu_share]} of the process's")
+    return {"spec": spec, "ratios": ratios, "writer_cpu_share": cpu_share, **res}
 
 
 def part_restart(args) -> dict:

@@ -260,6 +260,7 @@ class DiskTierStats:
     recomputed: int  # blocks found on disk that the policy chose to recompute
     writes: int  # blocks written
     write_bytes: int
+    write_cpu_s: float  # CPU seconds the writer thread used (checksums, copies into the page cache)
     write_drops: int  # spills given up (queue or staging budget full, block reused first, or writes off)
     evictions: int  # files removed to stay under the cap
     corrupt: int  # files dropped as truncated, corrupted or foreign
@@ -295,6 +296,7 @@ class DiskTier:
         self.hits = self.loads = self.recomputed = self.write_drops = 0
         self.load_seconds = 0.0
         self.writes = self.write_bytes = self.evictions = self.corrupt = self._writer_drops = 0
+        self.write_cpu_s = 0.0  # the writer thread's CPU time: what keeping the tier costs the machine
         self._lock_fd = -1
         try:
             self._open(identity)
@@ -476,6 +478,7 @@ class DiskTier:
             job = self._writes.get()
             if job is None:
                 return
+            t0 = time.thread_time()
             try:
                 if self.writing:
                     self._write(job)
@@ -486,6 +489,7 @@ class DiskTier:
                 self._dropped(job)
             finally:
                 self._finish(job)
+                self.write_cpu_s += time.thread_time() - t0
 
     def _finish(self, job: _Write) -> None:
         with self._lock:
@@ -660,7 +664,8 @@ class DiskTier:
         return DiskTierStats(
             path=str(self.dir), capacity_bytes=self.capacity_bytes, blocks=len(self._index), bytes=self._bytes,
             hits=self.hits, loads=self.loads, load_seconds=self.load_seconds, recomputed=self.recomputed,
-            writes=self.writes, write_bytes=self.write_bytes, write_drops=self.write_drops + self._writer_drops,
+            writes=self.writes, write_bytes=self.write_bytes, write_cpu_s=self.write_cpu_s,
+            write_drops=self.write_drops + self._writer_drops,
             evictions=self.evictions, corrupt=self.corrupt, writing=self.writing,
             read_ms=1e3 * self.policy.read_s, recompute_ms=None if rc is None else 1e3 * rc)
 

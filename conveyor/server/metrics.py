@@ -158,6 +158,7 @@ class _EngineCollector(Collector):
                       d.recomputed)
         yield counter("kv_disk_writes", "Blocks written to the disk tier.", d.writes)
         yield counter("kv_disk_write_bytes", "Bytes written to the disk tier.", d.write_bytes)
+        yield counter("kv_disk_write_cpu_seconds", "CPU seconds the disk tier's writer thread used.", d.write_cpu_s)
         yield counter("kv_disk_write_drops", "Blocks not written (queue full, reused first, or writes off).",
                       d.write_drops)
         yield counter("kv_disk_evictions", "Files removed from the disk tier to stay under its cap.", d.evictions)

@@ -54,9 +54,10 @@ def test_a_restarted_server_serves_the_prompt_from_disk(tiny_llama, tmp_path):
 def test_no_tier_no_series():
     text = ServerMetrics("m", lambda: EngineStats()).render().decode()
     assert "kv_disk" not in text
-    d = DiskTierStats("/x", 100, 3, 30, 4, 3, 0.5, 1, 7, 70, 2, 1, 1, True, 0.1, 2.0)
+    d = DiskTierStats("/x", 100, 3, 30, 4, 3, 0.5, 1, 7, 70, 0.01, 2, 1, 1, True, 0.1, 2.0)
     text = ServerMetrics("m", lambda: EngineStats(kv_disk=d)).render().decode()
     for series in ("conveyor:kv_disk_blocks{", "conveyor:kv_disk_loads_total{", "conveyor:kv_disk_evictions_total{",
-                   "conveyor:kv_disk_write_drops_total{", "conveyor:kv_disk_recomputed_total{"):
+                   "conveyor:kv_disk_write_drops_total{", "conveyor:kv_disk_recomputed_total{",
+                   "conveyor:kv_disk_write_cpu_seconds_total{"):
         assert series in text
     assert kv_disk_view(d)["load_ms"] == round(1e3 * 0.5 / 3, 3)
