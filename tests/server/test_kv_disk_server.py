@@ -36,6 +36,9 @@ def test_a_restarted_server_serves_the_prompt_from_disk(tiny_llama, tmp_path):
         assert cached == 0
         m = srv.wait_idle()
         assert m["conveyor:kv_disk_capacity_bytes"] == 16 * 2**30 and m["conveyor:kv_disk_loads_total"] == 0
+        client = srv.app.state.engine.client
+    client.join(60)  # the engine loop has ended and closed its tier (a busy machine may need the time)
+    assert not client.thread.is_alive()
     with run_server(cfg) as srv:  # the same model and configuration, a new process's worth of state
         warm, cached = complete(srv, salt="t1")
         assert cached == 128 and warm == cold
