@@ -8,7 +8,7 @@
 
 SmolLM2-135M (the default model), default dtype, CPU. Every configuration runs in a fresh process (a
 fresh pool, as a new server has), the tier in a temporary directory on the disk under --tier-root.
-`--quick` scales the workloads down (16 prefixes of 1,000 tokens instead of 64 of 2,000; fewer rounds)
+`--quick` scales the workloads down (24 prefixes of 1,000 tokens instead of 64 of 2,000; fewer rounds)
 for a shared machine; the numbers in docs/memory.md say which they are. Results: one JSON per part in
 --out, and a summary on stdout.
 """
@@ -222,10 +222,10 @@ def part_costs(args) -> dict:
 
 
 def part_cycle(args) -> dict:
-    n, length = (16, 1000) if args.quick else (64, 2000)
-    pool = n * length // BS // 4  # the distinct prefixes are 4x the pool
+    n, length = (24, 1000) if args.quick else (64, 2000)
+    pool = n * length // BS // 4  # the distinct prefixes are 4x the pool (which holds `concurrency` prompts or more)
     base = {"part": "cycle", "pool_blocks": pool, "num_prefixes": n, "prefix_len": length, "suffix_len": 32,
-            "output_len": 32, "concurrency": args.concurrency, "cycles": 3}
+            "output_len": 32, "concurrency": args.concurrency, "cycles": 2 if args.quick else 3}
     out = {}
     for name in ("tier", "no-tier"):
         tier = Path(tempfile.mkdtemp(dir=args.tier_root, prefix="kvdisk-cycle-")) if name == "tier" else None
