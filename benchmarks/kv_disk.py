@@ -97,7 +97,8 @@ def one(spec: dict) -> dict:
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("conveyor.kv_cache").setLevel(logging.INFO)
     cfg = EngineConfig(model=MODEL, num_kv_blocks=spec["pool_blocks"], max_model_len=spec.get("max_model_len"),
-                       kv_cache_populate=True, kv_disk_dir=spec.get("tier"), max_num_seqs=64)
+                       kv_cache_populate=True, kv_disk_dir=spec.get("tier"), max_num_seqs=64,
+                       threads=spec.get("threads"))
     engine = LLMEngine(cfg)
     part = spec["part"]
     try:
@@ -211,6 +212,7 @@ def part_costs(args) -> dict:
     tier = Path(tempfile.mkdtemp(dir=args.tier_root, prefix="kvdisk-costs-"))
     try:
         spec = {"part": "costs", "pool_blocks": 4096, "tier": str(tier), "reps": 2 if args.quick else 3,
+                "threads": args.threads,
                 "blocks": [1, 2, 4, 8, 32, 125] if args.quick else [1, 2, 4, 8, 32, 125, 187]}
         res = run_one(spec)
     finally:
@@ -222,29 +224,44 @@ def part_costs(args) -> dict:
 
 
 def part_cycle(args) -> dict:
+    """Distinct prefixes 4x the pool, cycling. A first process runs one cycle with the tier (it writes the
+    tier: the cycle is cold either way); then, alternating in fresh processes, one cycle with that tier
+    (every prefix comes from disk: the pool holds a quarter of them, so this is the steady state) and one
+    without (every prefix computed), several rounds (a busy machine drifts: compare within a round)."""
     n, length = (24, 1000) if args.quick else (64, 2000)
     pool = n * length // BS // 4  # the distinct prefixes are 4x the pool (which holds `concurrency` prompts or more)
     base = {"part": "cycle", "pool_blocks": pool, "num_prefixes": n, "prefix_len": length, "suffix_len": 32,
-            "output_len": 32, "concurrency": args.concurrency, "cycles": 2 if args.quick else 3}
-    out = {}
+            "output_len": 32, "concurrency": args.concurrency, "cycles": 1, "threads": args.threads}
+    rounds = 2 if args.quick else 3
+    tier = Path(tempfile.mkdtemp(dir=args.tier_root, prefix="kvdisk-cycle-"))
+    out: dict = {"spec": base, "rounds": []}
+    print(f"cycle: {n} prefixes of {length} tokens through a pool of {pool} blocks ({pool * BS} tokens)",
+          file=sys.stderr, flush=True)
+    try:
+        out["first_cycle_writing"] = run_one({**base, "tier": str(tier)})["cycles"][0]
+        for i in range(rounds):
+            row = {}
+            for name in (("tier", "no-tier") if i % 2 == 0 else ("no-tier", "tier")):
+                row[name] = run_one({**base, "tier": str(tier) if name == "tier" else None})["cycles"][0]
+            out["rounds"].append(row)
+    finally:
+        shutil.rmtree(tier, ignore_errors=True)
+    first = out["first_cycle_writing"]
+    print(f"cycle, the first (cold, writing the tier): TTFT p50 {first['ttft_p50_s']:.2f} s, "
+          f"{first['total_tok_s']:.0f} tok/s")
     for name in ("tier", "no-tier"):
-        tier = Path(tempfile.mkdtemp(dir=args.tier_root, prefix="kvdisk-cycle-")) if name == "tier" else None
-        print(f"cycle, {name}: {n} prefixes of {length} tokens through a pool of {pool} blocks ({pool * BS} tokens)",
-              file=sys.stderr, flush=True)
-        try:
-            out[name] = run_one({**base, "tier": str(tier) if tier else None})
-        finally:
-            if tier:
-                shutil.rmtree(tier, ignore_errors=True)
-    for name, r in out.items():
-        later = r["cycles"][1:]
-        print(f"cycle {name}: cycles 2-{len(r['cycles'])}: hit rate "
-              f"{100 * statistics.mean(c['hit_rate'] for c in later):.0f}%, TTFT p50 "
-              f"{statistics.mean(c['ttft_p50_s'] for c in later):.2f} s, "
-              f"p99 {max(c['ttft_p99_s'] for c in later):.2f} s, "
-              f"{statistics.mean(c['total_tok_s'] for c in later):.0f} total tok/s, "
-              f"{statistics.mean(c['output_tok_s'] for c in later):.1f} output tok/s")
-    return {"spec": base, **out}
+        rs = [r[name] for r in out["rounds"]]
+        print(f"cycle {name}: hit rate {100 * statistics.mean(c['hit_rate'] for c in rs):.0f}%, TTFT p50 "
+              f"{statistics.median(c['ttft_p50_s'] for c in rs):.2f} s, "
+              f"p99 {statistics.median(c['ttft_p99_s'] for c in rs):.2f} s, "
+              f"{statistics.median(c['total_tok_s'] for c in rs):.0f} total tok/s, "
+              f"{statistics.median(c['output_tok_s'] for c in rs):.1f} output tok/s")
+    ratios = [r["tier"]["total_tok_s"] / r["no-tier"]["total_tok_s"] for r in out["rounds"]]
+    ttft = [r["no-tier"]["ttft_p50_s"] / r["tier"]["ttft_p50_s"] for r in out["rounds"]]
+    print(f"cycle: per round, throughput tier/no-tier {[round(x, 2) for x in ratios]}, "
+          f"TTFT p50 no-tier/tier {[round(x, 1) for x in ttft]}")
+    out["throughput_ratios"], out["ttft_p50_ratios"] = ratios, ttft
+    return out
 
 
 def part_writecost(args) -> dict:
@@ -252,7 +269,7 @@ def part_writecost(args) -> dict:
     A and B alternated in fresh processes, several rounds (a busy machine drifts)."""
     rounds = 3 if args.quick else 5
     spec = {"part": "writecost", "pool_blocks": 4096, "num_prompts": 24 if args.quick else 64, "input_len": 1000,
-            "output_len": 32, "concurrency": 4}
+            "output_len": 32, "concurrency": 4, "threads": args.threads}
     res: dict[str, list] = {"tier": [], "no-tier": []}
     for i in range(rounds):
         for name in (("tier", "no-tier") if i % 2 == 0 else ("no-tier", "tier")):
@@ -365,6 +382,7 @@ def main() -> None:
     p.add_argument("part", choices=[*PARTS, "all"])
     p.add_argument("--quick", action="store_true", help="smaller workloads (a shared machine)")
     p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--threads", type=int, default=None, help="the engine's compute threads (default: its own)")
     p.add_argument("--tier-root", default=tempfile.gettempdir(), help="where the tiers' directories go (a local disk)")
     p.add_argument("--out", type=Path, default=None, help="write kv_disk_<part>.json files here")
     args = p.parse_args()
