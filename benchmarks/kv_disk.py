@@ -120,8 +120,9 @@ def one(spec: dict) -> dict:
 
 
 def cycle_run(engine, spec: dict) -> dict:
-    rng = random.Random(0)
-    prefixes = [tokens(rng, spec["prefix_len"]) for _ in range(spec["num_prefixes"])]
+    prng = random.Random(0)  # the same system prompts in every run
+    prefixes = [tokens(prng, spec["prefix_len"]) for _ in range(spec["num_prefixes"])]
+    rng = random.Random(spec["seed"])  # every run's questions are its own: only the system prompts repeat
     cycles = []
     for c in range(spec["cycles"]):
         prompts = [p + tokens(rng, spec["suffix_len"]) for p in prefixes]
@@ -238,11 +239,12 @@ def part_cycle(args) -> dict:
     print(f"cycle: {n} prefixes of {length} tokens through a pool of {pool} blocks ({pool * BS} tokens)",
           file=sys.stderr, flush=True)
     try:
-        out["first_cycle_writing"] = run_one({**base, "tier": str(tier)})["cycles"][0]
+        out["first_cycle_writing"] = run_one({**base, "tier": str(tier), "seed": 1})["cycles"][0]
         for i in range(rounds):
             row = {}
             for name in (("tier", "no-tier") if i % 2 == 0 else ("no-tier", "tier")):
-                row[name] = run_one({**base, "tier": str(tier) if name == "tier" else None})["cycles"][0]
+                row[name] = run_one({**base, "tier": str(tier) if name == "tier" else None,
+                                     "seed": 2 + i})["cycles"][0]
             out["rounds"].append(row)
     finally:
         shutil.rmtree(tier, ignore_errors=True)
