@@ -307,8 +307,9 @@ def part_restart(args) -> dict:
 
     def start() -> tuple[subprocess.Popen, str]:
         log = tempfile.TemporaryFile(mode="w+")
+        extra = ["--threads", str(args.threads)] if args.threads else []
         proc = subprocess.Popen([sys.executable, "-m", "conveyor", "serve", "--port", "0", "--kv-cache-memory", "1",
-                                 "--kv-disk-dir", str(tier)], stdout=log,
+                                 "--kv-disk-dir", str(tier), *extra], stdout=log,
                                 stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + 600
         import re
