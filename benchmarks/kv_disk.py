@@ -5,6 +5,7 @@
     python benchmarks/kv_disk.py cycle        # distinct prefixes 4x the pool, cycling: with and without the tier
     python benchmarks/kv_disk.py restart      # a 3,000-token prefix before and after a server restart (HTTP)
     python benchmarks/kv_disk.py writecost    # throughput with the tier writing and never hit, vs no tier
+    python benchmarks/kv_disk.py writecost_ab # the same, in one engine: the tier's writes on and off by turns
 
 SmolLM2-135M (the default model), default dtype, CPU. Every configuration runs in a fresh process (a
 fresh pool, as a new server has), the tier in a temporary directory on the disk under --tier-root.
@@ -114,6 +115,8 @@ def one(spec: dict) -> dict:
             return {**res, "process_cpu_s": time.process_time() - cpu0, "tier": tier_stats(engine)}
         if part == "costs":
             return costs_run(engine, spec)
+        if part == "writecost_ab":
+            return writecost_ab_run(engine, spec)
         raise ValueError(part)
     finally:
         engine.close()
@@ -132,6 +135,30 @@ def cycle_run(engine, spec: dict) -> dict:
         print(f"  cycle {c + 1}: hit rate {100 * res['hit_rate']:.0f}%, TTFT p50 {res['ttft_p50_s']:.2f} s, "
               f"p99 {res['ttft_p99_s']:.2f} s, {res['total_tok_s']:.0f} tok/s", file=sys.stderr, flush=True)
     return {"cycles": cycles}
+
+
+def writecost_ab_run(engine, spec: dict) -> dict:
+    """One engine with a tier, batches of distinct prompts (no hits ever), the tier's writes switched on
+    and off between batches: on/off, off/on, ... (the closest A/B a busy machine allows: same process, same
+    pool, seconds apart). Off, the engine still offers every block and looks every prompt up; only the
+    writes (the writer thread's work) stop."""
+    rng = random.Random(spec["seed"])
+    tier = engine.kv_disk
+    out: dict[str, list] = {"on": [], "off": []}
+    drive(engine, [tokens(rng, spec["input_len"]) for _ in range(4)], spec["concurrency"], spec["output_len"])
+    for i in range(spec["pairs"]):
+        for on in ((True, False) if i % 2 == 0 else (False, True)):
+            tier.writing = on
+            cpu0, w0 = time.process_time(), tier.write_cpu_s
+            prompts = [tokens(rng, spec["input_len"]) for _ in range(spec["num_prompts"])]
+            res = drive(engine, prompts, spec["concurrency"], spec["output_len"])
+            tier.flush()
+            res["writer_cpu_share"] = (tier.write_cpu_s - w0) / (time.process_time() - cpu0)
+            out["on" if on else "off"].append(res)
+            print(f"  pair {i + 1} writes {'on' if on else 'off'}: {res['total_tok_s']:.0f} tok/s", file=sys.stderr,
+                  flush=True)
+    tier.writing = True
+    return {**out, "tier": tier_stats(engine)}
 
 
 def costs_run(engine, spec: dict) -> dict:
@@ -374,7 +401,26 @@ def part_restart(args) -> dict:
     return out
 
 
-PARTS = {"costs": part_costs, "cycle": part_cycle, "restart": part_restart, "writecost": part_writecost}
+def part_writecost_ab(args) -> dict:
+    tier = Path(tempfile.mkdtemp(dir=args.tier_root, prefix="kvdisk-writeab-"))
+    spec = {"part": "writecost_ab", "pool_blocks": 4096, "num_prompts": 8 if args.quick else 16, "input_len": 1000,
+            "output_len": 32, "concurrency": 4, "pairs": 4 if args.quick else 6, "seed": 5, "tier": str(tier),
+            "threads": args.threads}
+    try:
+        res = run_one(spec)
+    finally:
+        shutil.rmtree(tier, ignore_errors=True)
+    ratios = [a["total_tok_s"] / b["total_tok_s"] for a, b in zip(res["on"], res["off"])]
+    share = [r["writer_cpu_share"] for r in res["on"]]
+    print(f"writecost (one engine, writes on/off by turns): throughput on/off per pair "
+          f"{[round(x, 3) for x in ratios]}, "
+          f"median {statistics.median(ratios):.3f}, mean {statistics.mean(ratios):.3f}; the writer's CPU "
+          f"{[f'{100 * x:.1f}%' for x in share]} of the process's while on")
+    return {"spec": spec, "ratios": ratios, **res}
+
+
+PARTS = {"costs": part_costs, "cycle": part_cycle, "restart": part_restart, "writecost": part_writecost,
+         "writecost_ab": part_writecost_ab}
 
 
 def main() -> None:
