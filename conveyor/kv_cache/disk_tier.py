@@ -503,28 +503,28 @@ class DiskTier:
         self._writer_drops += 1  # the writer's own count (the engine's thread counts in `write_drops`)
 
     def _write(self, job: _Write) -> None:
-        """Write one block's file: from the pool's memory in place (checked afterwards: the seqlock), or from
-        the copy taken at eviction. Written to a temp name and renamed, so a file is whole or absent."""
+        """Write one block's file: its bytes copied out of the pool (one memcpy, then the seqlock check: the
+        copy is good only if the block was not reused meanwhile), or the copy taken at eviction. One copy
+        and one checksum call over it cost the engine far less than checksumming the pool's ~60 pieces of a
+        block in place: each such call hands the GIL back and forth. Written to a temp name and renamed, so
+        a file is whole or absent."""
         if job.hash in self._index:
             return
-        with self._lock:
-            data = job.data
-        if data is None and not job.still_valid():
-            self._dropped(job)  # reused before we got to it, and not copied at eviction (staging budget)
-            return
-        bufs = [data] if data is not None else (self.io.views(job.block) if self.io.host
-                                                  else [self.io.copy_out(job.block)])
+        data = job.data
+        if data is None:
+            copy = self.io.copy_out(job.block)
+            if job.still_valid():
+                data = copy
+            else:  # reused before or while we copied it: only a copy taken at eviction can save it
+                with self._lock:
+                    data = job.data
+                if data is None:
+                    self._dropped(job)
+                    return
         path = self.path(job.hash)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        if not self._write_file(tmp, self._header(job.hash, job.key, bufs), bufs):
+        if not self._write_file(tmp, self._header(job.hash, job.key, [data]), [data]):
             return
-        if data is None and not job.still_valid():  # the block was reused while we read it
-            with self._lock:
-                data = job.data
-            if data is None or not self._write_file(tmp, self._header(job.hash, job.key, [data]), [data]):
-                _unlink(tmp)
-                self._dropped(job)
-                return
         try:
             os.replace(tmp, path)
         except OSError as e:
