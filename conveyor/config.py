@@ -15,8 +15,10 @@ DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("int8", "int4", "gguf", "none")
 KV_CACHE_DTYPES = ("auto", "int8")
 ATTENTION_BACKENDS = ("auto", "kernel", "torch")  # conveyor/model/attention.py
+KV_DISK_LOADS = ("auto", "always")  # the disk tier's load policy (conveyor/kv_cache/disk_tier.py)
 CHOICES: dict[str, tuple[str, ...]] = {"dtype": DTYPES, "device": DEVICES, "quantization": QUANTIZATIONS,
-                                       "kv_cache_dtype": KV_CACHE_DTYPES, "attention_backend": ATTENTION_BACKENDS}
+                                       "kv_cache_dtype": KV_CACHE_DTYPES, "attention_backend": ATTENTION_BACKENDS,
+                                       "kv_disk_load": KV_DISK_LOADS}
 
 
 def check_choice(name: str, value: object, choices: tuple[str, ...], optional: bool = False) -> None:
@@ -85,6 +87,11 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # adapters kept loaded (LRU); None: max_loras
     packed_linear: bool = True  # CPU: linears in the packed kernels' layout where they apply (model/packed_linear.py)
+    # the prefix cache's second tier, on local disk (conveyor/kv_cache/disk_tier.py, docs/memory.md): off unless
+    # a directory is given; at most kv_disk_gib GiB there, least recently used blocks removed first
+    kv_disk_dir: str | None = None
+    kv_disk_gib: float = 16.0
+    kv_disk_load: str = "auto"  # one of KV_DISK_LOADS: auto = read a block when that beats recomputing it
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -112,5 +119,7 @@ class EngineConfig:
             raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {self.max_loras}, {self.max_lora_rank}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if not self.kv_disk_gib > 0:
+            raise ValueError(f"kv_disk_gib must be > 0 GiB, got {self.kv_disk_gib}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")

@@ -119,6 +119,13 @@ def engine_flags() -> list[EngineFlag]:
                    "preallocated cache is, so that a fresh server's first requests do not pay page faults "
                    "(default: on for serve and in-process benchmarks; off for generate, the Python API and "
                    "serve --replicas)", action=argparse.BooleanOptionalAction, command_decides=True),
+        EngineFlag("kv_disk_dir", "memory", "a directory for a second prefix-cache tier on local disk: full KV "
+                   "blocks evicted from the pool are kept there and read back instead of recomputed, across "
+                   "restarts too (default: none, memory only; docs/memory.md)"),
+        EngineFlag("kv_disk_gib", "memory", "GiB the disk tier may take; least recently used blocks are removed "
+                   "first", type=float),
+        EngineFlag("kv_disk_load", "memory", "auto: read a block back from disk when that is measured to cost less "
+                   "than recomputing its tokens; always: read every block found"),
         EngineFlag("attention_backend", "kernels", "auto: the compiled CPU kernels where they apply (CPU, "
                    "fp32/bf16), else pure torch; torch: the reference path everywhere"),
         EngineFlag("threads", "kernels", "torch compute threads (default: one per physical core)", type=int),

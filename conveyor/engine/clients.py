@@ -112,6 +112,13 @@ class ThreadEngineClient(EngineClient):
         try:
             EngineLoop(self.engine, self._get, self._deliver).run()
         finally:
+            if self.built_on is not None and self.engine is not None:
+                # an engine this client built ends with its loop (a server that stops, or one whose engine
+                # failed and is rebuilt): the disk tier writes what it queued and lets its directory go
+                try:
+                    self.engine.close()
+                except Exception:  # noqa: BLE001 - closing must not hide why the loop ended
+                    log.exception("closing the engine failed")
             self.ended = True
 
     def _main(self) -> None:
@@ -222,6 +229,7 @@ def _process_main(config: EngineConfig, conn, log_level: int) -> None:
                 pass
 
     EngineLoop(engine, get, emit).run()
+    engine.close()  # the disk tier's last writes (multiprocessing ends a child without atexit handlers)
 
 
 class ProcessEngineClient(EngineClient):

@@ -20,6 +20,7 @@ import torch
 from conveyor import startup
 from conveyor.config import EngineConfig
 from conveyor.engine.draft import DraftProposer
+from conveyor.engine.kv_disk import open_kv_disk, tier_key
 from conveyor.engine.output_processor import Detokenizer, apply_stop, make_delta
 from conveyor.engine.speculative import (
     SpecBackoff,
@@ -31,6 +32,7 @@ from conveyor.engine.speculative import (
 )
 from conveyor.engine.structured_output import StructuredOutputManager
 from conveyor.kv_cache import KVCacheManager
+from conveyor.kv_cache.disk_tier import DiskTier, DiskTierStats, weights_digest
 from conveyor.lora.adapter import LoRASpec
 from conveyor.lora.request import LoRARequest
 from conveyor.model.loader import default_sampling, load_checkpoint
@@ -116,6 +118,7 @@ class EngineSnapshot:
     lora_loaded: tuple[str, ...] = ()  # adapters loaded in the model's layers, least recently used first
     steps: int = 0  # steps the scheduler has planned on this engine (since the last `reset`)
     lora_deferrals: int = 0  # steps where requests for resident adapters went first (--max-loras was the limit)
+    kv_disk: DiskTierStats | None = None  # the prefix cache's disk tier (--kv-disk-dir), if any
 
 
 @dataclass(frozen=True)
@@ -185,6 +188,8 @@ class LLMEngine:
         self.tokenizer = ckpt.tokenizer
         self.model_config = ckpt.config
         self.model_name = config.served_model_name or config.model
+        # the disk tier's namespace names the weights by their values (read before the runner takes them)
+        self._weights_id = weights_digest(ckpt.tensors) if config.kv_disk_dir else None
         self.runner = ModelRunner(ckpt.config, ckpt.tensors, config)
         pool_tokens = self.runner.num_blocks * config.block_size
         model_ctx = ckpt.config.max_position_embeddings
@@ -219,6 +224,8 @@ class LLMEngine:
                      self.spec.num_speculative_tokens, {n: f"{1e3 * t:.1f}ms" for n, t in costs.items()})
         self._ids = itertools.count()
         self.scheduler_switches = 0
+        self.kv_disk: DiskTier | None = None
+        self._kv_disk_key: tuple | None = None
         self.reset(config)
         r = self.runner
         self.info = EngineInfo(
@@ -264,7 +271,13 @@ class LLMEngine:
         if getattr(self, "info", None) is not None:  # the lab's next config may bring other latency targets
             self.info = dataclasses.replace(self.info, request_defaults=dataclasses.replace(
                 self.info.request_defaults, slo_ttft_ms=config.slo_ttft_ms, slo_tpot_ms=config.slo_tpot_ms))
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        if self._kv_disk_key != tier_key(config, self.runner):  # disk tier: opened once, again for another pool
+            if self.kv_disk is not None:
+                self.kv_disk.close()
+            self.kv_disk = open_kv_disk(config, self.runner, self._weights_id)
+            self._kv_disk_key = tier_key(config, self.runner)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                 self.kv_disk)
         self.scheduler = Scheduler(config, self.kv, make_policy(config), self.max_model_len)
         self.total_prompt_tokens = 0
         self.total_generation_tokens = 0
@@ -427,6 +440,10 @@ class LLMEngine:
         for k, v in phases.items():
             self.phase_seconds[k] += v
         stats = self._stats(plan, start, phases, prefill) if plan.items else None
+        if self.kv.tier is not None:  # the disk tier's policy weighs reads against measured prefill costs
+            self.kv.tier.observe_compute(plan.num_tokens, forward)
+            if stats is None and self.kv.loads_in_flight:
+                self.kv.wait_for_loads(0.005)  # nothing to run until a read is in: wait for it, not spin
         return StepOutput(deltas, stats)
 
     def _update(self, plan: Step, result: SampleResult) -> list[StepDelta]:
@@ -611,7 +628,8 @@ class LLMEngine:
             lora_running=lora_running, lora_waiting=lora_waiting,
             lora_loaded=tuple(r.lora_name for r in self.runner.lora.loaded) if self.runner.lora is not None else (),
             steps=self.scheduler.step_count, lora_deferrals=self.scheduler.num_lora_deferrals,
-            tenants=self.scheduler.tenant_rows(self.tenant_tokens))
+            tenants=self.scheduler.tenant_rows(self.tenant_tokens),
+            kv_disk=self.kv.tier.stats() if self.kv.tier is not None else None)
 
     def activation_headroom(self, config: EngineConfig) -> int:
         """Bytes a step's activations may take at most under `config` (kept out of the KV budget)."""
@@ -636,11 +654,20 @@ class LLMEngine:
         if len(token_ids) > r.num_blocks * r.block_size:
             raise ValueError("the prompt does not fit in the KV pool")
         table = list(range(-(-len(token_ids) // r.block_size)))
+        self.kv.pool.reset_cache()  # these blocks are written unallocated: nothing may still copy them as cached
         meta = build_metadata([len(token_ids)], [len(token_ids)], [table], r.block_size, r.device, r.attention_backend)
         hidden = r.model(torch.tensor(token_ids, device=r.device), torch.arange(len(token_ids), device=r.device),
                          r.kv_caches, meta)
         self.kv.pool.reset_cache()
         return r.model.compute_logits(hidden)
+
+    def close(self) -> None:
+        """Finish the disk tier's queued writes and release its directory (the engine process calls this as
+        it exits; a thread's engine is closed at interpreter exit). The engine serves on without a tier."""
+        if self.kv_disk is not None:
+            self.kv_disk.close()
+            self.kv_disk = None
+            self.kv.tier = None
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block that no request holds (a cold start for tests and benchmarks)."""

@@ -9,11 +9,17 @@ Free blocks sit in one ordered dict used as an LRU queue. Empty blocks go to the
 handed out first; cached blocks go to the tail, so the least recently used cached block is the one
 evicted when the pool runs dry. Eviction never touches a block in use, because in-use blocks are
 not in the queue at all.
+
+A second tier on disk (`disk_tier.py`) hooks in through two callbacks, `on_cache` (a block was just
+indexed) and `on_evict` (a cached block is about to be handed out again), and reads `generation`: each
+block's count of times its hash was dropped, so that a copy taken from the block off the engine's
+thread can tell afterwards whether the block was reused meanwhile.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -42,6 +48,11 @@ class BlockPool:
         self.block_key: list[BlockKey | None] = [None] * num_blocks  # of each cached block
         self.num_key_mismatches = 0  # lookups whose hash matched but whose block was another
         self.num_evictions = 0
+        # the disk tier's hooks (None without one) and its seqlock: +1 whenever a block's hash is dropped
+        self.on_cache: Callable[[int, bytes, BlockKey | None], None] | None = None
+        self.on_evict: Callable[[int, bytes], None] | None = None
+        self.generation = [0] * num_blocks
+        self.retired = False  # replaced by another pool (`LLMEngine.reset`): its generations say nothing more
 
     @property
     def num_free(self) -> int:
@@ -72,10 +83,13 @@ class BlockPool:
             h = self.block_hash[block]
             if h is not None:
                 self.num_evictions += 1
+                if self.on_evict is not None:  # before anyone can write into it
+                    self.on_evict(block, h)
                 if self.cached.get(h) == block:
                     del self.cached[h]
                 self.block_hash[block] = None
                 self.block_key[block] = None
+                self.generation[block] += 1
             self.ref_cnt[block] = 1
             out.append(block)
         return out
@@ -121,6 +135,8 @@ class BlockPool:
         self.block_hash[block] = block_hash
         self.block_key[block] = key
         self.cached[block_hash] = block
+        if self.on_cache is not None:
+            self.on_cache(block, block_hash, key)
 
     def reset_cache(self) -> None:
         """Forget every cached-but-free block (used by tests and benchmarks for a cold start)."""
@@ -130,3 +146,4 @@ class BlockPool:
                 self.cached.pop(h, None)
                 self.block_hash[b] = None
                 self.block_key[b] = None
+                self.generation[b] += 1

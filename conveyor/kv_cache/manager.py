@@ -4,15 +4,26 @@ The scheduler asks three questions of it: how many prompt tokens are already cac
 (`lookup_prefix`), can this request get room for N more tokens (`allocate_slots`), and give its
 blocks back (`free`). Copy-on-write pairs for shared, partly written blocks are queued in
 `pending_copies` for the model runner to apply before the step writes any KV.
+
+With a disk tier (`disk_tier.py`), prompt blocks past the pool's hits may also be read back from
+disk (`prefetch`, `fetch_from_tier`, `poll_loads`): they enter the pool as cached blocks, so
+everything after that (admission, `cached_tokens`, sharing) treats them as prefix-cache hits.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import struct
+from typing import TYPE_CHECKING
 
 from conveyor.kv_cache.block_pool import BlockKey, BlockPool
 from conveyor.request import Request
+
+if TYPE_CHECKING:
+    from conveyor.kv_cache.disk_tier import DiskTier, LoadJob
+
+log = logging.getLogger("conveyor.kv_cache")
 
 _NO_PARENT = b"\0" * 32
 
@@ -38,7 +49,8 @@ def hash_block(parent: bytes | None, tokens: tuple[int, ...], salt: str | None, 
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 tier: DiskTier | None = None) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
         self.enable_caching = enable_caching
@@ -49,6 +61,14 @@ class KVCacheManager:
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies for the runner
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found
+        # the disk tier (None: memory only): loads in flight per request, and loads started per request
+        self.tier = tier if enable_caching else None
+        self._loads: dict[str, LoadJob] = {}
+        self._load_attempts: dict[str, int] = {}
+        # blocks read for requests not admitted yet: rid -> [blocks, read ahead of admission, steps left]
+        self._unclaimed: dict[str, list] = {}
+        if self.tier is not None:
+            self.tier.attach(self.pool)
 
     @property
     def num_blocks(self) -> int:
@@ -130,6 +150,8 @@ class KVCacheManager:
         """Make room for `num_new_tokens` more tokens (after `cached` prefix blocks). All or nothing."""
         if self._blocks_needed(req, num_new_tokens, cached) > self.pool.num_free:
             return False
+        if self._unclaimed:
+            self._unclaimed.pop(req.request_id, None)  # admitted (or running): what was read for it is its own
         table = self.block_tables.setdefault(req.request_id, [])
         if cached:
             self.pool.touch(list(cached))
@@ -180,6 +202,8 @@ class KVCacheManager:
             del table[keep:]
 
     def free(self, req: Request) -> None:
+        if self.tier is not None:
+            self._cancel_load(req.request_id)
         table = self.block_tables.pop(req.request_id, None)
         if table:
             self.pool.release(table)
@@ -190,3 +214,123 @@ class KVCacheManager:
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
         return copies
+
+    # --- the disk tier ---------------------------------------------------------------------------------
+    # Blocks read from disk wait in the pool as cached blocks until their request is admitted ("unclaimed"),
+    # the most recently used of the free blocks. Reads are bounded so that they cannot evict each other:
+    # unclaimed blocks stay within a quarter of the pool for reads at admission, and as much again for reads
+    # ahead of it (`prefetch`); a request whose read does not fit waits for its turn (a step or two: an
+    # unclaimed read gives its share back after `UNCLAIMED_STEPS` steps). Without the bound, a policy that
+    # tries many admissions per step (fair) had each read evict the one before it, and recomputed everything.
+    def prefetch(self, req: Request) -> None:
+        """Start reading the request's prefix blocks from disk now (it was just queued), so that they are in
+        the pool by the time it is admitted; only if there is room in the read-ahead share."""
+        if self.tier is not None and req.request_id not in self._loads and req.num_computed_tokens == 0:
+            self._start_load(req, self.lookup_prefix(req), ahead=True)
+
+    def fetch_from_tier(self, req: Request, cached: list[int]) -> list[int] | None:
+        """The request's cached prefix blocks (`cached`: its pool hits) after reading what follows them
+        from disk, or None while a read is under way or waits for its turn (the request is not admitted
+        now; it is once its blocks are in)."""
+        rid = req.request_id
+        job = self._loads.get(rid)
+        if job is not None:
+            if not job.done.is_set():
+                return None
+            self._finish_load(rid)
+            cached = self.lookup_prefix(req)
+        started = self._start_load(req, cached, ahead=False)
+        if started is None:
+            return cached
+        return self.lookup_prefix(req) if started else None
+
+    def poll_loads(self) -> None:
+        """Once per step: put the blocks of every finished read into the pool (as cached blocks), and age
+        the unclaimed reads."""
+        for rid in [rid for rid, job in self._loads.items() if job.done.is_set()]:
+            self._finish_load(rid)
+        for rid, entry in list(self._unclaimed.items()):
+            if rid not in self._loads:
+                entry[2] -= 1
+                if entry[2] <= 0:
+                    del self._unclaimed[rid]
+
+    @property
+    def loads_in_flight(self) -> bool:
+        return any(not job.done.is_set() for job in self._loads.values())
+
+    def wait_for_loads(self, timeout: float) -> None:
+        """Wait up to `timeout` seconds for a read under way to finish (the engine has nothing else to do)."""
+        for job in self._loads.values():
+            if not job.done.is_set():
+                job.done.wait(timeout)
+                return
+
+    def _start_load(self, req: Request, cached: list[int], ahead: bool) -> bool | None:
+        """Read the blocks that follow `cached` from disk, as far as they are there and the policy says
+        reading beats recomputing. None: nothing to read (compute); True: read already (a short read runs
+        here, at once); False: reading in the background, or waiting for its turn to read."""
+        from conveyor.kv_cache.disk_tier import INLINE_LOAD_S, MAX_LOAD_ATTEMPTS, UNCLAIMED_STEPS, LoadJob
+
+        tier = self.tier
+        rid = req.request_id
+        attempts = self._load_attempts.get(rid, 0)
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        start = len(cached)
+        mine = self._unclaimed.get(rid)  # one read at a time per request; admission may add to a read-ahead
+        if (attempts >= MAX_LOAD_ATTEMPTS and not ahead) or start >= max_blocks or (mine and (ahead or not mine[1])):
+            return None
+        hashes = self._block_hashes(req, max_blocks)
+        found = tier.run_length(hashes[start:max_blocks])
+        if not found:
+            return None
+        want = tier.policy.blocks_to_load(found)
+        if want == 0:  # recompute: decided once for this request
+            tier.hits += found
+            tier.recomputed += found
+            self._load_attempts[rid] = MAX_LOAD_ATTEMPTS
+            return None
+        # a block read is a block the request would take anyway to compute those tokens: at admission a read
+        # may take every free block; ahead of admission, at most half of them. Reads at admission count only
+        # each other against their share; reads ahead count every unclaimed read
+        share = max(self.num_blocks // 4, 1)
+        unclaimed = sum(e[0] for r, e in self._unclaimed.items() if r != rid and (ahead or not e[1]))
+        room = self.num_free_blocks - sum(1 for b in cached if self.pool.ref_cnt[b] == 0)
+        n = min(want, room // 2 if ahead else room)
+        if n <= 0 or (unclaimed and unclaimed + n > share):  # (a read alone may be larger than the share)
+            return None if ahead else False  # no room now: it waits for its turn (a read ahead is not owed one)
+        tier.hits += n
+        if not ahead:
+            self._load_attempts[rid] = attempts + 1
+        self._unclaimed[rid] = [n + (mine[0] if mine else 0), ahead, UNCLAIMED_STEPS]
+        self.pool.touch(cached)  # the hits must not be evicted to make room for what follows them
+        blocks = self.pool.allocate(n)
+        self.pool.release(cached)
+        job = LoadJob(blocks, hashes[start:start + n], self._keys[rid][start:start + n])
+        self._loads[rid] = job
+        inline = n * tier.policy.read_s <= INLINE_LOAD_S
+        log.debug("request %s: %d prompt blocks found on disk after %d in the pool; reading %d %s%s", rid, found,
+                  start, n, "now" if inline else "in the background", " (ahead of admission)" if ahead else "")
+        tier.start_load(job, inline)
+        if inline:
+            self._finish_load(rid)
+        return inline
+
+    def _finish_load(self, rid: str) -> None:
+        """Index a read's verified blocks in the pool and let go of them: they wait as cached blocks,
+        found by the request's next lookup; the rest (a bad or missing file stopped the read) go back empty."""
+        job = self._loads.pop(rid)
+        for i in range(job.ok):
+            self.pool.cache_block(job.blocks[i], job.hashes[i], job.keys[i])
+        self.pool.release(job.blocks)
+        self.tier.loads += job.ok
+        self.tier.load_seconds += job.seconds
+
+    def _cancel_load(self, rid: str) -> None:
+        job = self._loads.get(rid)
+        if job is not None:
+            job.cancelled = True
+            job.done.wait()  # the reader writes into its blocks until then (it stops at the next block)
+            self._finish_load(rid)
+        self._load_attempts.pop(rid, None)
+        self._unclaimed.pop(rid, None)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import logging
@@ -38,6 +39,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 import conveyor
+from conveyor.config import EngineConfig
 from conveyor.scaleout.args import add_scaleout_args  # noqa: F401 - re-exported (the CLI's old import path)
 from conveyor.scaleout.lora import add_runtime_lora_routes, check_lora_modules, lora_affinity_key
 from conveyor.scaleout.router import Router, prefix_text
@@ -409,6 +411,17 @@ class _RelayResponse(StreamingResponse):
             self.on_close()
 
 
+def replica_engine_config(cfg: EngineConfig, index: int, replicas: int) -> EngineConfig:
+    """Replica `index`'s engine options: everyone's, except that a disk tier (--kv-disk-dir) gets a subdirectory
+    per replica and an equal share of --kv-disk-gib. Replicas never share one tier directory: each keeps its
+    own index and LRU of the files under its own cap, and a tier's directory lock would leave every replica
+    but the first without a tier. A replica that Ray restarts has the same index, so it finds its own tier."""
+    if not cfg.kv_disk_dir:
+        return cfg
+    return dataclasses.replace(cfg, kv_disk_dir=os.path.join(cfg.kv_disk_dir, f"replica-{index}"),
+                               kv_disk_gib=cfg.kv_disk_gib / replicas)
+
+
 def _replica_options(args: argparse.Namespace) -> dict:
     gpus = args.replica_gpus
     if gpus is None:
@@ -457,7 +470,8 @@ def run_replicated_server(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     try:
         options = _replica_options(args)
-        serve.run_many([RunTarget(EngineReplica.options(name="engine", ray_actor_options=options).bind(cfg, sargs, i),
+        serve.run_many([RunTarget(EngineReplica.options(name="engine", ray_actor_options=options).bind(
+                                      replica_engine_config(cfg, i, args.replicas), sargs, i),
                                   name=name, route_prefix=None, logging_config={"enable_access_log": False})
                         for i, name in enumerate(names)])
         log.info("%d replicas up in %.1fs (%s each)", args.replicas, time.monotonic() - t0, options)

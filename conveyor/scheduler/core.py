@@ -83,6 +83,8 @@ class Scheduler:
         else:
             req.fork_from = None
             self.waiting.append(req)
+            if self.kv.tier is not None and self._reuses_prefix(req):
+                self.kv.prefetch(req)  # a disk tier reads its prefix blocks while it waits
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.held)
@@ -162,6 +164,8 @@ class Scheduler:
     # --- the step ---------------------------------------------------------------------------------
     def schedule(self) -> Step:
         step = Step(self.config.max_num_batched_tokens, self.max_num_seqs)
+        if self.kv.tier is not None:
+            self.kv.poll_loads()  # blocks read from disk since the last step join the pool's cached blocks
         self.policy.schedule(self, step)
         self._add_guesses(step)
         for req in self.waiting:
@@ -271,10 +275,12 @@ class Scheduler:
             return False
         if self._admit_fork(step, req):
             return True
-        # a request asking for prompt logprobs computes its whole prompt: a cached prefix has no logits
-        wants_prompt_lp = req.params.prompt_logprobs is not None or (req.pooling is not None
-                                                                     and req.pooling.needs_every_token)
-        cached = self.kv.lookup_prefix(req) if req.num_computed_tokens == 0 and not wants_prompt_lp else []
+        reuse = self._reuses_prefix(req)
+        cached = self.kv.lookup_prefix(req) if reuse else []
+        if reuse and self.kv.tier is not None:
+            cached = self.kv.fetch_from_tier(req, cached)
+            if cached is None:
+                return False  # its prefix blocks are being read from disk: admitted once they are in
         num_cached = len(cached) * self.kv.block_size
         want = req.num_tokens - req.num_computed_tokens - num_cached
         n = min(want, step.token_budget)
@@ -297,6 +303,14 @@ class Scheduler:
         step.admitted.append(req)
         step.add(req, n)
         return True
+
+    @staticmethod
+    def _reuses_prefix(req: Request) -> bool:
+        """Whether `req` may start from cached prefix blocks: not if it asks for prompt logprobs (or an
+        embedding that pools every token), since a cached prefix has K/V but no logits."""
+        wants_every_row = req.params.prompt_logprobs is not None or (req.pooling is not None
+                                                                     and req.pooling.needs_every_token)
+        return req.num_computed_tokens == 0 and not wants_every_row
 
     def _admit_fork(self, step: Step, req: Request) -> bool:
         """Parallel sampling: share every block of the sibling that computed the prompt, and

@@ -552,7 +552,7 @@ class AsyncEngine:
             kv_blocks_used=s.kv_blocks_used, kv_blocks_total=s.kv_blocks_total, steps=self._c.steps,
             step_seqs=self._c.step_seqs, phase_seconds=tuple(phases.items()), scheduler=s.scheduler,
             spec_accepted_per_pos=tuple(per_pos), lora_running=s.lora_running, lora_waiting=s.lora_waiting,
-            **carried)
+            kv_disk=s.kv_disk, **carried)
 
     # --- supervision: a lost engine and its restart ------------------------------------------------------
     def _count_loss(self) -> int:

@@ -58,6 +58,14 @@ def dashboard_setup(config, info) -> dict:
             "kv_dtype": info.kv_cache_dtype, **({"max_loras": info.max_loras} if info.max_loras else {})}
 
 
+def kv_disk_view(d) -> dict:
+    """The disk tier's numbers as the page shows them (`DiskTierStats`)."""
+    return {"blocks": d.blocks, "bytes": d.bytes, "capacity": d.capacity_bytes, "hits": d.hits, "loads": d.loads,
+            "load_ms": round(1e3 * d.load_seconds / d.loads, 3) if d.loads else None, "recomputed": d.recomputed,
+            "writes": d.writes, "write_drops": d.write_drops, "evictions": d.evictions, "corrupt": d.corrupt,
+            "writing": d.writing}
+
+
 class _Second:
     """One second of history."""
 
@@ -229,6 +237,8 @@ class DashboardHub:
             if self.setup.get("max_loras"):  # LoRA: who is in the batch, who waits, what is loaded
                 ev["snapshot"]["lora"] = {"running": dict(s.lora_running), "waiting": dict(s.lora_waiting),
                                           "loaded": list(s.lora_loaded)}
+            if s.kv_disk is not None:  # the disk tier, shown beside the pool
+                ev["snapshot"]["kv_disk"] = kv_disk_view(s.kv_disk)
         if self._kv is not None:
             ev["kv"], self._kv = self._kv, None
         if self._setup_changed:

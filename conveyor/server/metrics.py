@@ -27,6 +27,7 @@ from prometheus_client.registry import Collector
 
 from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import EngineInfo
+from conveyor.kv_cache.disk_tier import DiskTierStats
 from conveyor.outputs import FinishReason
 from conveyor.request import tenant_name
 from conveyor.scheduler.policies import POLICIES
@@ -66,6 +67,7 @@ class EngineStats:
     spec_accepted_per_pos: tuple[int, ...] = ()
     lora_running: tuple[tuple[str, int], ...] = ()  # sequences per LoRA adapter name
     lora_waiting: tuple[tuple[str, int], ...] = ()
+    kv_disk: DiskTierStats | None = None  # the prefix cache's disk tier (--kv-disk-dir), if any
 
     @property
     def kv_usage(self) -> float:
@@ -139,6 +141,31 @@ class _EngineCollector(Collector):
                     1 + s.spec_accepted_tokens / s.spec_drafts if s.spec_drafts else 0.0)
         if self.max_loras:
             yield from self._lora(s)
+        if s.kv_disk is not None:
+            yield from self._kv_disk(s.kv_disk, gauge, counter)
+
+    @staticmethod
+    def _kv_disk(d: DiskTierStats, gauge, counter) -> Iterator[Metric]:
+        """The disk tier beside the pool (docs/memory.md): what it holds, what it served, what it cost."""
+        yield gauge("kv_disk_blocks", "KV blocks in the disk tier.", d.blocks)
+        yield gauge("kv_disk_bytes", "Bytes of KV blocks in the disk tier.", d.bytes)
+        yield gauge("kv_disk_capacity_bytes", "The disk tier's cap (--kv-disk-gib).", d.capacity_bytes)
+        yield gauge("kv_disk_writing", "1 while the disk tier writes, 0 once a write failed (disk full).",
+                    float(d.writing))
+        yield counter("kv_disk_hits", "Prompt blocks found in the disk tier past the pool's hits.", d.hits)
+        yield counter("kv_disk_loads", "Blocks read back from the disk tier into the pool.", d.loads)
+        yield counter("kv_disk_load_seconds", "Seconds spent reading blocks back from the disk tier.",
+                      d.load_seconds)
+        yield counter("kv_disk_recomputed", "Blocks found on disk that the load policy chose to recompute.",
+                      d.recomputed)
+        yield counter("kv_disk_writes", "Blocks written to the disk tier.", d.writes)
+        yield counter("kv_disk_write_bytes", "Bytes written to the disk tier.", d.write_bytes)
+        yield counter("kv_disk_write_cpu_seconds", "CPU seconds the disk tier's writer thread used.", d.write_cpu_s)
+        yield counter("kv_disk_write_drops", "Blocks not written (queue full, reused first, or writes off).",
+                      d.write_drops)
+        yield counter("kv_disk_evictions", "Files removed from the disk tier to stay under its cap.", d.evictions)
+        yield counter("kv_disk_corrupt", "Files dropped as truncated, corrupted or foreign (their tokens "
+                      "recomputed).", d.corrupt)
 
     def _lora(self, s: EngineStats) -> Iterator[Metric]:
         """vLLM's lora_requests_info (adapters as comma-separated label values, the value a timestamp),
