@@ -116,6 +116,8 @@ class EngineSnapshot:
     lora_loaded: tuple[str, ...] = ()  # adapters loaded in the model's layers, least recently used first
     steps: int = 0  # steps the scheduler has planned on this engine (since the last `reset`)
     lora_deferrals: int = 0  # steps where requests for resident adapters went first (--max-loras was the limit)
+    batch_running: int = 0  # batch-tier sequences (Batch API lines) among `running` and `waiting`
+    batch_waiting: int = 0
 
 
 @dataclass(frozen=True)
@@ -582,10 +584,11 @@ class LLMEngine:
             index=self.scheduler.step_count, start=start, duration=time.monotonic() - start,
             num_seqs=len(plan.items), num_tokens=plan.num_tokens,
             num_prefill_tokens=sum(it.num_tokens for it in plan.items if it.num_tokens - it.num_draft > 1),
-            request_ids=[it.request.group_id for it in plan.items], num_preempted=len(plan.preempted),
+            request_ids=[it.request.group_id for it in plan.items],
+            num_preempted=len(plan.preempted) + len(plan.reclaimed),
             request_tokens=[it.num_tokens for it in plan.items],
             request_prefill=prefill,
-            preempted_ids=[r.group_id for r in plan.preempted], lora_ids=sorted(plan.lora_ids),
+            preempted_ids=[r.group_id for r in plan.preempted + plan.reclaimed], lora_ids=sorted(plan.lora_ids),
             kv_used_blocks=used_blocks, kv_used_slots=used_blocks * bs - empty,
             num_running=self.num_running, num_waiting=self.num_waiting,
             logical_tokens=sum(r.num_computed_tokens for r in self.scheduler.running), phases=phases,
@@ -594,6 +597,7 @@ class LLMEngine:
     # --- read-only views ------------------------------------------------------------------------------
     def snapshot(self) -> EngineSnapshot:
         lora_running, lora_waiting = self.scheduler.lora_counts() if self.runner.lora is not None else ((), ())
+        batch_running, batch_waiting = self.scheduler.tier_counts()
         return EngineSnapshot(
             running=self.num_running, waiting=self.num_waiting, kv_blocks_used=self.kv.pool.num_used,
             kv_blocks_total=self.kv.pool.num_blocks, prompt_tokens=self.total_prompt_tokens,
@@ -607,7 +611,8 @@ class LLMEngine:
             lora_running=lora_running, lora_waiting=lora_waiting,
             lora_loaded=tuple(r.lora_name for r in self.runner.lora.loaded) if self.runner.lora is not None else (),
             steps=self.scheduler.step_count, lora_deferrals=self.scheduler.num_lora_deferrals,
-            tenants=self.scheduler.tenant_rows(self.tenant_tokens))
+            tenants=self.scheduler.tenant_rows(self.tenant_tokens), batch_running=batch_running,
+            batch_waiting=batch_waiting)
 
     def activation_headroom(self, config: EngineConfig) -> int:
         """Bytes a step's activations may take at most under `config` (kept out of the KV budget)."""
