@@ -32,7 +32,7 @@ from conveyor.engine.messages import (
     UnloadLoRA,
 )
 from conveyor.outputs import FinishReason, StepDelta
-from conveyor.request import EngineRequest, sequence_ids
+from conveyor.request import EngineRequest, Tier, sequence_ids
 from conveyor.server.metrics import EngineStats, ServerMetrics
 
 log = logging.getLogger("conveyor.server")
@@ -73,8 +73,12 @@ class Submission:
         self.remaining = sum(inp.params.n for inp in inputs)
         self.closed = False
         self.tenant = inputs[0].tenant if inputs else None  # one API call, one tenant
+        # a batch line (the Batch API): outside the queue limits, and out of the latency histograms, whose
+        # numbers are interactive requests' (a line waits for what interactive work leaves, by design)
+        self.batch = bool(inputs) and inputs[0].tier is Tier.BATCH
         # prompt tokens of engine requests that have produced nothing yet (queued or in prefill), by group id
-        self.unstarted = {inp.request_id: len(inp.prompt_token_ids) * inp.params.n for inp in inputs}
+        self.unstarted = {} if self.batch else {inp.request_id: len(inp.prompt_token_ids) * inp.params.n
+                                                for inp in inputs}
 
     # --- called by AsyncEngine, on the event loop --------------------------------------------------
     def deliver(self, d: StepDelta, t: float) -> None:
@@ -88,7 +92,7 @@ class Submission:
         if d.new_token_ids:
             if seq.first_t is None:
                 seq.first_t = t
-            elif metrics is not None:
+            elif metrics is not None and not self.batch:
                 metrics.observe_itl(t - seq.last_t)
             seq.last_t = t
             seq.num_tokens += len(d.new_token_ids)
@@ -99,11 +103,11 @@ class Submission:
             self.remaining -= 1
             if metrics is not None:
                 scheduled = d.first_scheduled_time
-                queued = scheduled - self.arrival if scheduled is not None else None
-                metrics.observe_finish(d.finish_reason, None if seq.first_t is None else seq.first_t - self.arrival,
-                                       t - self.arrival, queued)
+                queued = scheduled - self.arrival if scheduled is not None and not self.batch else None
+                ttft = seq.first_t - self.arrival if seq.first_t is not None and not self.batch else None
+                metrics.observe_finish(d.finish_reason, ttft, None if self.batch else t - self.arrival, queued)
                 metrics.observe_tenant_finish(self.tenant, len(self.inputs[0].prompt_token_ids) if d.index == 0 else 0,
-                                              None if seq.first_t is None else seq.first_t - self.arrival, queued)
+                                              ttft, queued)
         self.queue.put_nowait(d)
 
     def fail(self, exc: BaseException) -> None:
@@ -219,12 +223,17 @@ class AsyncEngine:
 
     # --- the HTTP side's API --------------------------------------------------------------------------
     def submit(self, api_id: str, inputs: list[EngineRequest]) -> Submission:
-        """Queue one API call's requests. Raises EngineDeadError or QueueFullError (nothing queued then)."""
+        """Queue one API call's requests. Raises EngineDeadError or QueueFullError (nothing queued then).
+
+        Batch lines (`Tier.BATCH`: one call's inputs are all of one tier) are not held to the queue limits, and
+        do not count against them: the batch runner feeds the engine a bounded number at a time."""
         if not self.alive:
             raise EngineDeadError(f"the engine is not running{f': {self.error}' if self.error else ''}")
         num = sum(inp.params.n for inp in inputs)
+        if inputs and inputs[0].tier is Tier.BATCH:
+            return self._queue(api_id, inputs, 0)
         if self.max_queued_requests is not None:
-            queued = self._num_pending_adds + self._stats.waiting
+            queued = self._num_pending_adds + self._stats.waiting - self._stats.batch_waiting
             if queued + num > self.max_queued_requests:
                 raise QueueFullError(f"the waiting queue is full ({queued} queued, limit "
                                      f"{self.max_queued_requests}); retry later")
@@ -234,13 +243,16 @@ class AsyncEngine:
             if self.queued_tokens and self.queued_tokens + tokens > self.max_queued_tokens:
                 raise QueueFullError(f"the waiting queue is full ({self.queued_tokens} prompt tokens queued, limit "
                                      f"{self.max_queued_tokens}); retry later")
+        return self._queue(api_id, inputs, num)
+
+    def _queue(self, api_id: str, inputs: list[EngineRequest], pending: int) -> Submission:
         arrival = time.monotonic()
         inputs = [dataclasses.replace(inp, arrival_time=arrival) for inp in inputs]
         sub = Submission(self, api_id, inputs, arrival)
         self._subs[api_id] = sub
         for inp in inputs:
             self._group_to_sub[inp.request_id] = sub
-        self._num_pending_adds += num
+        self._num_pending_adds += pending
         self.queued_tokens += sum(sub.unstarted.values())
         for inp in inputs:
             self.client.send(inp)
@@ -304,7 +316,7 @@ class AsyncEngine:
             pass
 
     def _on_output(self, out: LoopOutput) -> None:
-        self._num_pending_adds = max(0, self._num_pending_adds - out.added)
+        self._num_pending_adds = max(0, self._num_pending_adds - (out.added - out.added_batch))
         if out.stats is not None and out.stats.num_seqs > 0:
             self._c.steps += 1
             self._c.step_seqs += out.stats.num_seqs
@@ -353,7 +365,8 @@ class AsyncEngine:
             phase_seconds=s.phase_seconds, scheduler=s.scheduler, scheduler_switches=s.scheduler_switches,
             spec_drafts=s.spec_drafts, spec_draft_tokens=s.spec_draft_tokens,
             spec_accepted_tokens=s.spec_accepted_tokens, spec_accepted_per_pos=s.spec_accepted_per_pos,
-            lora_running=s.lora_running, lora_waiting=s.lora_waiting)
+            lora_running=s.lora_running, lora_waiting=s.lora_waiting, batch_running=s.batch_running,
+            batch_waiting=s.batch_waiting)
 
     def _maybe_log(self) -> None:
         now = time.monotonic()
