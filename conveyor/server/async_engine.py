@@ -211,6 +211,11 @@ class AsyncEngine:
             sub.fail(EngineDeadError("the server is shutting down"))
 
     @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop the HTTP side runs on (None before `start`)."""
+        return self._loop
+
+    @property
     def alive(self) -> bool:
         return self.client.alive and not self._stopping
 

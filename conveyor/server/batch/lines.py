@@ -55,10 +55,12 @@ class Line:
     custom_id: str | None
     body: dict | None
     error: ApiError | None = None
+    url: str | None = None  # the endpoint it names (checked)
 
 
-def parse_line(number: int, raw: str, endpoint: str) -> Line:
-    """A line's fields, checked: JSON, an object, a string `custom_id`, `method` POST, `url` the batch's endpoint,
+def parse_line(number: int, raw: str, endpoint: str | None) -> Line:
+    """A line's fields, checked: JSON, an object, a string `custom_id`, `method` POST, `url` the batch's endpoint
+    (`endpoint` None: any endpoint batches serve, as `conveyor batch run` takes them; `Line.url` says which),
     an object `body` that does not ask to stream."""
     try:
         obj = json.loads(raw)
@@ -77,7 +79,9 @@ def parse_line(number: int, raw: str, endpoint: str) -> Line:
     if obj.get("method", "POST") != "POST":
         return bad(f"method must be POST, got {obj.get('method')!r}", "method")
     url = obj.get("url")
-    if url != endpoint:
+    if endpoint is None and url not in ENDPOINTS:
+        return bad(f"url must be one of {', '.join(ENDPOINTS)}, got {url!r}", "url")
+    if endpoint is not None and url != endpoint:
         known = url in ENDPOINTS
         return bad(f"url must be the batch's endpoint {endpoint}, got {url!r}"
                    + ("" if known else f" (batches serve {', '.join(ENDPOINTS)})"), "url")
@@ -86,7 +90,7 @@ def parse_line(number: int, raw: str, endpoint: str) -> Line:
         return bad("body must be a JSON object (the request to send)", "body")
     if body.get("stream"):
         return bad("stream is not supported in a batch: each line's answer is written whole", "stream")
-    return Line(number, cid, body)
+    return Line(number, cid, body, url=url)
 
 
 def _json(value: Any) -> str:

@@ -116,7 +116,7 @@ class BatchRunner:
             del self.jobs[rec.id]
             return
         loop = asyncio.get_running_loop()
-        loop.call_later(max(rec.expires_at - time.time(), 0.0), self._expire, rec.id)
+        loop.call_later(max(rec.expires_at - time.time(), 0.0), self.expire, rec.id)
         if rec.status == "validating":
             job.checking = True
             self._spawn(self._check(job))
@@ -139,7 +139,8 @@ class BatchRunner:
         job.cancel.set()
         self._maybe_finish(job)
 
-    def _expire(self, batch_id: str) -> None:
+    def expire(self, batch_id: str) -> None:
+        """End a batch whose window has passed: what never ran goes to the error file as `batch_expired`."""
         job = self.jobs.get(batch_id)
         if job is None or job.ending is not None or job.finishing:
             return
