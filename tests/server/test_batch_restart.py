@@ -1,0 +1,80 @@
+"""A server killed with SIGKILL in the middle of a batch, restarted on the same --batch-dir: it resumes the batch
+where it stopped (lines answered before the kill are kept, those in the engine run again), and the output holds
+every line exactly once, each the answer the request gets alone."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sqlite3
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+
+from conveyor.server.api_server import ServerArgs
+
+from .conftest import MODEL, bound_url, popen_server, run_server, server_output, tiny_config
+
+N = 40
+
+
+def serve(tiny_llama, batch_dir):
+    proc = popen_server([sys.executable, "-m", "conveyor", "serve", "--model", str(tiny_llama), "--served-model-name",
+                         MODEL, "--dtype", "float32", "--port", "0", "--batch-dir", str(batch_dir),
+                         "--max-num-seqs", "4", "--kv-cache-memory", "0.05", "--max-model-len", "512",
+                         "--disable-log-requests"])
+    url = bound_url(proc)
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, server_output(proc)[-3000:]
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:  # bound, not listening yet
+            pass
+        time.sleep(0.1)
+
+
+def body(i: int) -> dict:
+    return {"model": MODEL, "prompt": f"resume me {i} " * 3, "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+
+
+def test_a_killed_server_resumes_its_batch_without_losing_or_repeating_a_line(tiny_llama, tmp_path):
+    batch_dir = tmp_path / "batches"
+    proc, url = serve(tiny_llama, batch_dir)
+    try:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=30)
+        text = "".join(json.dumps({"custom_id": f"l{i}", "method": "POST", "url": "/v1/completions",
+                                   "body": body(i)}) + "\n" for i in range(N))
+        f = c.files.create(file=("in.jsonl", text.encode()), purpose="batch")
+        b = c.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+        deadline = time.monotonic() + 60
+        while c.batches.retrieve(b.id).request_counts.completed < 6:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)  # mid-job: some lines answered, some in the engine, the rest not started
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    with sqlite3.connect(batch_dir / "batches.sqlite3") as db:  # what the killed server left on disk: mid-job
+        status, done = db.execute("SELECT status, completed FROM batches WHERE id = ?", (b.id,)).fetchone()
+        assert status == "in_progress" and 6 <= done < N, (status, done)
+        assert db.execute("SELECT COUNT(*) FROM results WHERE batch_id = ?", (b.id,)).fetchone() == (done,)
+    # the restart: in this process, which loads faster than a second `conveyor serve` (the kill needed a process)
+    with run_server(tiny_config(tiny_llama, max_num_seqs=4), ServerArgs(batch_dir=str(batch_dir))) as srv:
+        c = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0, timeout=30)
+        deadline = time.monotonic() + 90
+        while (b := c.batches.retrieve(b.id)).status != "completed":
+            assert time.monotonic() < deadline, b
+            time.sleep(0.05)
+        assert (b.request_counts.completed, b.request_counts.failed, b.request_counts.total) == (N, 0, N)
+        out = [json.loads(x) for x in c.files.content(b.output_file_id).text.splitlines()]
+        assert [x["custom_id"] for x in out] == [f"l{i}" for i in range(N)], "every line once, in input order"
+        with ThreadPoolExecutor(8) as pool:
+            alone = list(pool.map(lambda i: httpx.post(srv.base_url + "/completions", json=body(i), timeout=60).json()[
+                "choices"][0]["text"], range(N)))
+        assert [x["response"]["body"]["choices"][0]["text"] for x in out] == alone
