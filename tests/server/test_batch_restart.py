@@ -26,16 +26,20 @@ def serve(tiny_llama, batch_dir):
                          MODEL, "--dtype", "float32", "--port", "0", "--batch-dir", str(batch_dir),
                          "--max-num-seqs", "4", "--kv-cache-memory", "0.05", "--max-model-len", "512",
                          "--disable-log-requests"])
-    url = bound_url(proc)
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None and time.monotonic() < deadline, server_output(proc)[-3000:]
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:  # bound, not listening yet
-            pass
-        time.sleep(0.1)
+    try:
+        url = bound_url(proc)
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, server_output(proc)[-3000:]
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    return proc, url
+            except httpx.TransportError:  # bound, not listening yet
+                pass
+            time.sleep(0.1)
+    except BaseException:
+        proc.kill()
+        raise
 
 
 def body(i: int) -> dict:
