@@ -281,13 +281,18 @@ class AsyncEngine:
     async def abort_all_after(self, grace_s: float) -> None:
         """Shutdown: give open calls `grace_s` seconds, then abort the rest *cleanly*: each
         unfinished sequence gets a final delta with finish_reason "abort", so streams still end
-        with a last chunk and [DONE] instead of a cut connection."""
+        with a last chunk and [DONE] instead of a cut connection. Batch lines are left to the batch runner,
+        which stops them (uncommitted) when the app stops."""
         deadline = time.monotonic() + grace_s
-        while self._subs and time.monotonic() < deadline:
+
+        def open_calls() -> list[Submission]:  # batch lines are not waited for: they run again after a restart
+            return [sub for sub in self._subs.values() if not sub.batch]
+
+        while open_calls() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if self._subs:
-            log.warning("aborting %d in-flight request(s) at shutdown", len(self._subs))
-            for sub in list(self._subs.values()):
+        if open_calls():
+            log.warning("aborting %d in-flight request(s) at shutdown", len(open_calls()))
+            for sub in open_calls():
                 for inp in sub.inputs:
                     self.client.send(AbortRequest(inp.request_id))
 

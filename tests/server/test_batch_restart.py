@@ -1,6 +1,7 @@
 """A server killed with SIGKILL in the middle of a batch, restarted on the same --batch-dir: it resumes the batch
-where it stopped (lines answered before the kill are kept, those in the engine run again), and the output holds
-every line exactly once, each the answer the request gets alone."""
+where it stopped (lines answered before the kill are kept, those in the engine run again); stopped again the usual
+way (a graceful shutdown, which aborts the lines in flight) and restarted, it finishes. The output holds every line
+exactly once, whole, each the answer the request gets alone."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import openai
 
 from conveyor.server.api_server import ServerArgs
 
-from .conftest import MODEL, bound_url, popen_server, run_server, server_output, tiny_config
+from .conftest import MODEL, bound_url, popen_server, run_server, server_output, slowed_steps, tiny_config
 
 N = 40
 
@@ -68,8 +69,17 @@ def test_a_killed_server_resumes_its_batch_without_losing_or_repeating_a_line(ti
         status, done = db.execute("SELECT status, completed FROM batches WHERE id = ?", (b.id,)).fetchone()
         assert status == "in_progress" and 6 <= done < N, (status, done)
         assert db.execute("SELECT COUNT(*) FROM results WHERE batch_id = ?", (b.id,)).fetchone() == (done,)
-    # the restart: in this process, which loads faster than a second `conveyor serve` (the kill needed a process)
-    with run_server(tiny_config(tiny_llama, max_num_seqs=4), ServerArgs(batch_dir=str(batch_dir))) as srv:
+    # the restarts: in this process, which loads faster than a second `conveyor serve` (the kill needed a process);
+    # the first is stopped mid-batch the usual way (SIGTERM's path: a graceful shutdown), the second finishes
+    config, args = tiny_config(tiny_llama, max_num_seqs=4), ServerArgs(batch_dir=str(batch_dir))
+    with run_server(config, args) as srv, slowed_steps(srv, 0.005):
+        c = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0, timeout=30)
+        deadline = time.monotonic() + 60
+        while (b := c.batches.retrieve(b.id)).request_counts.completed < done + 4:
+            assert time.monotonic() < deadline, b
+            time.sleep(0.02)
+        assert b.status == "in_progress", "the batch was meant to be stopped mid-way again"
+    with run_server(config, args) as srv:
         c = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0, timeout=30)
         deadline = time.monotonic() + 90
         while (b := c.batches.retrieve(b.id)).status != "completed":
@@ -78,6 +88,7 @@ def test_a_killed_server_resumes_its_batch_without_losing_or_repeating_a_line(ti
         assert (b.request_counts.completed, b.request_counts.failed, b.request_counts.total) == (N, 0, N)
         out = [json.loads(x) for x in c.files.content(b.output_file_id).text.splitlines()]
         assert [x["custom_id"] for x in out] == [f"l{i}" for i in range(N)], "every line once, in input order"
+        assert {x["response"]["body"]["choices"][0]["finish_reason"] for x in out} == {"length"}, "none cut short"
         with ThreadPoolExecutor(8) as pool:
             alone = list(pool.map(lambda i: httpx.post(srv.base_url + "/completions", json=body(i), timeout=60).json()[
                 "choices"][0]["text"], range(N)))

@@ -33,6 +33,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from conveyor.outputs import FinishReason
 from conveyor.request import EngineRequest, Tier
 from conveyor.server.batch.store import LineResult
 from conveyor.server.chat import OpenAIServingChat
@@ -126,6 +127,7 @@ class _LineRun:
     tenant: str | None
     check_only: bool
     api_id: str | None = None
+    sub: Any = None  # the line's `Submission`, once submitted
 
 
 _RUN: ContextVar[_LineRun] = ContextVar("conveyor_batch_line")
@@ -160,7 +162,8 @@ class BatchLineServing:
         if run.check_only:
             raise _Checked()
         run.api_id = api_id
-        return super().submit(api_id, inputs)
+        run.sub = super().submit(api_id, inputs)
+        return run.sub
 
 
 class BatchCompletion(BatchLineServing, OpenAIServingCompletion):
@@ -195,6 +198,12 @@ def _request(path: str, cancel: asyncio.Event | None) -> Request:
 class Deferred(Exception):  # noqa: N818 - an outcome: the line is neither answered nor refused
     """A line that got no answer to keep (the engine went away, or the batch was cancelled): it runs again later
     (after a restart) or never (cancelled); nothing is committed for it."""
+
+
+def aborted(run: _LineRun) -> bool:
+    """Whether any sequence of the line was aborted (finish reason "abort"): by a cancel, a shutdown, anything but
+    its own end."""
+    return run.sub is not None and any(s.finish_reason == FinishReason.ABORT for s in run.sub.seqs.values())
 
 
 def _usage(body: dict) -> tuple[int, int, int]:
@@ -242,7 +251,7 @@ class BatchLines:
         try:
             resp = await self._create(endpoint, line, run, cancel)
         except ApiError as e:
-            if e.status in (429, 503):  # the engine is gone (or not taking work): this line runs again later
+            if e.status in (429, 503) or aborted(run):  # the engine is gone or stopping: this line runs again later
                 raise Deferred(e.message) from None
             return refused(line, e)
         except Exception as e:  # noqa: BLE001 - a bug in one line's path must not stop the batch
@@ -251,6 +260,8 @@ class BatchLines:
                                           code="internal_error"))
         if resp.status_code == 499:  # "the client left": the batch was cancelled while the line ran
             raise Deferred("cancelled")
+        if aborted(run):  # cut short (a shutdown, a cancel): a partial answer is never kept
+            raise Deferred("aborted")
         text = bytes(resp.body).decode()
         usage = _usage(json.loads(text)) if resp.status_code == 200 else (0, 0, 0)
         return LineResult(line.number, line.custom_id, resp.status_code == 200,

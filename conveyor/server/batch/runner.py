@@ -33,6 +33,7 @@ from conveyor.server.http import bad_request
 log = logging.getLogger("conveyor.server.batch")
 
 RETRY_S = 1.0  # a line whose engine went away runs again after this long
+FINISH_RETRY_S = 30.0  # a batch whose files could not be written tries again after this long
 
 
 def iter_lines(path: Path) -> Iterator[tuple[int, str]]:
@@ -75,6 +76,7 @@ class BatchRunner:
         self.order: deque[str] = deque()  # running jobs, taken in turn
         self.inflight = 0
         self.paused_until = 0.0
+        self.refill_due = False  # a `_fill` is scheduled for when the pause ends
         self.tasks: set[asyncio.Task] = set()
         self.started = False
 
@@ -178,6 +180,15 @@ class BatchRunner:
                 await asyncio.sleep(0)  # one line at a time: the event loop serves everything else between them
             if errors:
                 self.store.add_errors(rec.id, errors)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the file could not be read: the batch fails, saying why
+            log.exception("checking batch %s failed", rec.id)
+            self.store.add_errors(rec.id, [{"code": "internal_error", "message": f"the input file could not be read: "
+                                            f"{type(e).__name__}: {e}", "param": "input_file_id", "line": None}])
+            self.store.set_status(rec.id, "failed")
+            self.jobs.pop(rec.id, None)
+            return
         finally:
             job.checking = False
         if job.ending is None:
@@ -213,7 +224,9 @@ class BatchRunner:
             return
         wait = self.paused_until - time.monotonic()
         if wait > 0:
-            asyncio.get_running_loop().call_later(wait, self._fill)
+            if not self.refill_due:
+                self.refill_due = True
+                asyncio.get_running_loop().call_later(wait, self._refill)
             return
         while self.inflight < self.max_inflight:
             nxt = self._next_line()
@@ -224,6 +237,10 @@ class BatchRunner:
             job.inflight += 1
             self._spawn(self._run_line(job, line))
         self.order = deque(j for j in self.order if j in self.jobs and not self.jobs[j].exhausted)
+
+    def _refill(self) -> None:
+        self.refill_due = False
+        self._fill()
 
     async def _run_line(self, job: Job, line: Line) -> None:
         result: LineResult | None = None
@@ -276,8 +293,16 @@ class BatchRunner:
                     n += 1
             if n and self.on_lines is not None:
                 self.on_lines("expired", n)
-        written = await asyncio.to_thread(self.store.write_outputs, rec)
-        final = self.store.complete(rec, status, written)
+        try:
+            written = await asyncio.to_thread(self.store.write_outputs, rec)
+            final = self.store.complete(rec, status, written)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # e.g. the disk is full: the results stay committed; tried again in a while
+            log.exception("writing the files of batch %s failed; trying again in %.0f s", rec.id, FINISH_RETRY_S)
+            job.finishing = False
+            asyncio.get_running_loop().call_later(FINISH_RETRY_S, self._maybe_finish, job)
+            return
         self.jobs.pop(rec.id, None)
         log.info("batch %s %s: %d completed, %d failed of %d", rec.id, status, final.completed, final.failed,
                  final.total)
