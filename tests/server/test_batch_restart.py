@@ -9,6 +9,7 @@ import json
 import signal
 import sqlite3
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -72,13 +73,22 @@ def test_a_killed_server_resumes_its_batch_without_losing_or_repeating_a_line(ti
     # the restarts: in this process, which loads faster than a second `conveyor serve` (the kill needed a process);
     # the first is stopped mid-batch the usual way (SIGTERM's path: a graceful shutdown), the second finishes
     config, args = tiny_config(tiny_llama, max_num_seqs=4), ServerArgs(batch_dir=str(batch_dir))
-    with run_server(config, args) as srv, slowed_steps(srv, 0.005):
+    with run_server(config, args) as srv:
+        slowed_steps(srv, 0.005).__enter__()  # kept through the shutdown below
         c = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0, timeout=30)
         deadline = time.monotonic() + 60
         while (b := c.batches.retrieve(b.id)).request_counts.completed < done + 4:
             assert time.monotonic() < deadline, b
             time.sleep(0.02)
         assert b.status == "in_progress", "the batch was meant to be stopped mid-way again"
+        # an interactive request still open at the stop: the shutdown gives it its grace, then aborts what is left
+        # (batch lines must not be answered by that abort: they run again after the restart)
+        chat = threading.Thread(target=httpx.post, args=(srv.base_url + "/completions",), kwargs=dict(
+            json={"model": MODEL, "prompt": "still here", "max_tokens": 400, "ignore_eos": True}, timeout=60))
+        chat.start()
+        while srv.scrape()["conveyor:num_requests_running"] <= srv.scrape()["conveyor:batch_tier_seats"]:
+            time.sleep(0.01)
+    chat.join()
     with run_server(config, args) as srv:
         c = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0, timeout=30)
         deadline = time.monotonic() + 90
