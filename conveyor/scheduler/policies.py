@@ -490,6 +490,7 @@ class FairPolicy(IterationPolicy):
 
     def schedule(self, s: Scheduler, step: Step) -> None:
         self.timer.observe(s)
+        first = len(step.items)  # what this call plans (the step may hold another tier's items already)
         self.update_light(s)
         self.preempt_for_share(s, step)
         self.serve_under_share_first(s, step)
@@ -498,7 +499,7 @@ class FairPolicy(IterationPolicy):
         self.timer.planned(s, step)
         # fade; a tenant whose recent service has faded to nothing is dropped (tenants come and go by the thousand)
         self.recent = {t: v * self.RECENT_DECAY for t, v in self.recent.items() if v > 1e-3}
-        for it in step.items:  # charge what this step serves
+        for it in step.items[first:]:  # charge what this step serves
             r = it.request
             fed = it.num_tokens - it.num_draft
             decode = fed == 1 and r.num_computed_tokens >= r.num_prompt_tokens
@@ -575,9 +576,9 @@ class SloPolicy(IterationPolicy):
 
     def schedule(self, s: Scheduler, step: Step) -> None:
         self.timer.observe(s)
-        cap = self.token_cap(s)
-        if cap is not None and cap < step.token_budget:
-            step.token_budget = cap
+        cap = self.token_cap(s)  # the whole step's tokens (it may hold another tier's items already)
+        if cap is not None and cap - step.num_tokens < step.token_budget:
+            step.token_budget = max(cap - step.num_tokens, 0)
         s.running.sort(key=lambda r: (r.slo_tpot_s is None, r.slo_tpot_s or 0.0, r.arrival_time))
         super().schedule(s, step)
         self.timer.planned(s, step)

@@ -124,25 +124,24 @@ def test_a_preempted_line_resumes_from_its_cached_prefix():
 
 def test_fair_shares_hold_inside_the_batch_tier():
     """Two tenants' batches, the first one's lines all queued first: under fair the batch tier shares its seats
-    between them (Jain's index of service while both wait); interactive requests still come first."""
+    between them (Jain's index of service while both wait), although tenant a also sends interactive requests all
+    along, which come first and count in the interactive tier's shares alone (counted in the batch tier's too,
+    they pushed a's batch down to half of b's: Jain 0.91)."""
     h = Harness(scheduler="fair", max_num_seqs=6)
     a = [add(h, Tier.BATCH, max_tokens=12, tenant="a") for _ in range(60)]
     b = [add(h, Tier.BATCH, max_tokens=12, tenant="b") for _ in range(60)]
     served = {"a": 0, "b": 0}
-    chat_every = 7
     for i in itertools.count():
         if not all(any(r.first_scheduled_time is None for r in reqs) for reqs in (a, b)):
             break
-        if i % chat_every == 0:
-            chat = add(h, Tier.INTERACTIVE, max_tokens=3, tenant="a")
+        chat = add(h, Tier.INTERACTIVE, prompt_len=64, max_tokens=6, tenant="a") if i % 2 == 0 else None
         step = h.step()
-        if i % chat_every == 0:
-            assert chat.first_token_time is not None
+        assert chat is None or chat.first_token_time is not None
         for it in step.items:
             if it.samples and it.request.tier is Tier.BATCH:
                 served[it.request.tenant_id] += 1
     x = list(served.values())
-    assert sum(x) ** 2 / (len(x) * sum(v * v for v in x)) >= 0.95, served
+    assert sum(x) ** 2 / (len(x) * sum(v * v for v in x)) >= 0.98, served
 
 
 def test_priorities_hold_inside_the_batch_tier():
