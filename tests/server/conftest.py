@@ -9,6 +9,7 @@ subprocess instead.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import socket
@@ -135,6 +136,10 @@ def tiny_config(model_dir, **overrides) -> EngineConfig:
 @contextlib.contextmanager
 def run_server(config: EngineConfig, args: ServerArgs | None = None) -> Iterator[Server]:
     args = args or ServerArgs()
+    batch_tmp = None
+    if args.batch_dir is None:  # a test server never opens the user's own batch store (~/.local/share)
+        batch_tmp = tempfile.TemporaryDirectory(prefix="conveyor-batches-")
+        args = dataclasses.replace(args, batch_dir=batch_tmp.name)
     app = build_app(config, args)
     sock = free_socket()
     port = sock.getsockname()[1]
@@ -152,6 +157,8 @@ def run_server(config: EngineConfig, args: ServerArgs | None = None) -> Iterator
         uv.should_exit = True
         thread.join(15)
         sock.close()
+        if batch_tmp is not None:
+            batch_tmp.cleanup()
 
 
 @contextlib.contextmanager

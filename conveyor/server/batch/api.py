@@ -8,8 +8,9 @@ them (`client.files.create(file=..., purpose="batch")`, `client.batches.create(.
   error, found when the batch checks its lines (`runner.py`);
 - every route is checked like the API (`--api-key`), and files and batches belong to who made them: the API key
   presented (as its hash) and the server's tenant rule (`--tenant-key`); nobody else sees them (404);
-- the store opens on first use, or at startup when `--batch-dir` already holds one (then unfinished batches
-  resume); a lock file keeps a second server off the same directory.
+- the store opens on first use, or at startup when `--batch-dir` already holds one (then the unfinished batches
+  made on this served model resume; another model's are left as they are); a lock file keeps a second server off
+  the same directory.
 """
 
 from __future__ import annotations
@@ -276,7 +277,8 @@ class BatchService:
                                 "own --batch-dir", "service_unavailable", code="batch_dir_in_use") from None
         self._lock_fd = fd
         self.store = BatchStore(self.root)
-        self.runner = BatchRunner(self.store, self.lines, self.max_inflight, on_lines=self._count_lines)
+        self.runner = BatchRunner(self.store, self.lines, self.ctx.model_names[0], self.max_inflight,
+                                  on_lines=self._count_lines)
         await self.runner.start()
         log.info("Batch API: store in %s (%d bytes)", self.root, self.store.disk_bytes())
         return self.store
@@ -388,8 +390,8 @@ class BatchService:
         if file.purpose != "batch":
             raise bad_request(f"the input file must be uploaded with purpose 'batch', not {file.purpose!r}",
                               "input_file_id")
-        rec = store.create_batch(owner, self.tenant(request), endpoint, file, window, COMPLETION_WINDOWS[window],
-                                 metadata)
+        rec = store.create_batch(owner, self.tenant(request), self.ctx.model_names[0], endpoint, file, window,
+                                 COMPLETION_WINDOWS[window], metadata)
         self.runner.add(rec)
         return JSONResponse(store.get_batch(None, rec.id).to_api())
 

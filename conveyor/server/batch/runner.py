@@ -10,10 +10,10 @@ keeps the engine's waiting queue short: a cancel is prompt, and interactive requ
 lines (they are not counted against the 429 limits either: `AsyncEngine.submit`). Lines run in the batch tier of
 the scheduler, which only takes what interactive work leaves.
 
-A restart resumes every unfinished batch where it stood (`BatchStore`: results are committed per line): a
-validating batch is checked again from its first unchecked line, a running one runs the lines without a result,
-a finalizing one writes its files again. A line whose engine went away (a 503) is not answered: it is retried a
-second later, and after a restart.
+A restart resumes every unfinished batch made on the same served model where it stood (`BatchStore`: results are
+committed per line): a validating batch is checked again from its first unchecked line, a running one runs the lines
+without a result, a finalizing one writes its files again. A line whose engine went away (a 503) is not answered: it
+is retried a second later, and after a restart.
 """
 
 from __future__ import annotations
@@ -65,10 +65,12 @@ class Job:
 
 
 class BatchRunner:
-    def __init__(self, store: BatchStore, lines: BatchLines, max_inflight: int,
+    def __init__(self, store: BatchStore, lines: BatchLines, model: str, max_inflight: int,
                  on_lines: Callable[[str, int], None] | None = None) -> None:
-        """`on_lines(status, n)`: n lines got their final answer (completed | failed | expired), for /metrics."""
+        """`model`: the served model (this runner takes on the batches made on it); `on_lines(status, n)`: n lines
+        got their final answer (completed | failed | expired), for /metrics."""
         self.store = store
+        self.model = model
         self.lines = lines
         self.max_inflight = max(1, max_inflight)
         self.on_lines = on_lines
@@ -84,7 +86,7 @@ class BatchRunner:
     async def start(self) -> None:
         """Resume every batch a previous run of the server left unfinished."""
         self.started = True
-        for rec in self.store.unfinished_batches():
+        for rec in self.store.unfinished_batches(self.model):
             log.info("resuming batch %s (%s, %d of %d lines answered)", rec.id, rec.status,
                      rec.completed + rec.failed, rec.total)
             self.add(rec)
@@ -310,7 +312,7 @@ class BatchRunner:
     # --- views --------------------------------------------------------------------------------------------
     def queue_depth(self) -> int:
         """Lines of unfinished batches without an answer yet."""
-        return sum(max(r.total - r.completed - r.failed, 0) for r in self.store.unfinished_batches())
+        return sum(max(r.total - r.completed - r.failed, 0) for r in self.store.unfinished_batches(self.model))
 
     def progress(self, limit: int = 8) -> list[dict]:
         """The unfinished batches (then the latest finished ones): what the dashboard shows."""

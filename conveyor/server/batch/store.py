@@ -42,6 +42,7 @@ CREATE TABLE IF NOT EXISTS batches (
     id TEXT UNIQUE NOT NULL,
     owner TEXT NOT NULL,
     tenant TEXT,                          -- the tenant its lines run for, where the rule is not the body's `user`
+    model TEXT NOT NULL,                  -- the served model it was made on: only a server of it runs the batch
     endpoint TEXT NOT NULL,
     input_file_id TEXT NOT NULL,
     completion_window TEXT NOT NULL,
@@ -94,6 +95,7 @@ class BatchRecord:
     id: str
     owner: str
     tenant: str | None
+    model: str
     endpoint: str
     input_file_id: str
     completion_window: str
@@ -129,12 +131,12 @@ class BatchRecord:
                           "input_tokens_details": {"cached_tokens": self.cached_tokens},
                           "output_tokens": self.output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                           "total_tokens": self.input_tokens + self.output_tokens},
-                "metadata": self.metadata, "model": None}
+                "metadata": self.metadata, "model": self.model}
 
 
 _TIMES = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at",
           "cancelled_at")
-_BATCH_COLS = ("id", "owner", "tenant", "endpoint", "input_file_id", "completion_window", "metadata", "status",
+_BATCH_COLS = ("id", "owner", "tenant", "model", "endpoint", "input_file_id", "completion_window", "metadata", "status",
                "created_at", "expires_at", "total", "completed", "failed", *_TIMES, "output_file_id",
                "error_file_id", "errors", "input_tokens", "cached_tokens", "output_tokens")
 _FILE_COLS = ("id", "owner", "purpose", "filename", "bytes", "lines", "created_at")
@@ -236,25 +238,26 @@ class BatchStore:
             self.db.execute("DELETE FROM files WHERE id = ?", (fid,))
 
     # --- batches ----------------------------------------------------------------------------------------
-    def create_batch(self, owner: str, tenant: str | None, endpoint: str, input_file: FileRecord,
+    def create_batch(self, owner: str, tenant: str | None, model: str, endpoint: str, input_file: FileRecord,
                      completion_window: str, window_s: int, metadata: dict | None) -> BatchRecord:
         now = int(time.time())
-        rec = BatchRecord(new_id("batch_"), owner, tenant, endpoint, input_file.id, completion_window, metadata,
+        rec = BatchRecord(new_id("batch_"), owner, tenant, model, endpoint, input_file.id, completion_window, metadata,
                           "validating", now, now + window_s, input_file.lines)
-        self.db.execute("INSERT INTO batches (id, owner, tenant, endpoint, input_file_id, completion_window, metadata,"
-                        " status, created_at, expires_at, total) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                        (rec.id, owner, tenant, endpoint, input_file.id, completion_window,
+        self.db.execute("INSERT INTO batches (id, owner, tenant, model, endpoint, input_file_id, completion_window, "
+                        "metadata, status, created_at, expires_at, total) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        (rec.id, owner, tenant, model, endpoint, input_file.id, completion_window,
                          json.dumps(metadata) if metadata is not None else None, rec.status, now, rec.expires_at,
                          rec.total))
         return rec
 
     def _batch(self, row: tuple) -> BatchRecord:
         d = dict(zip(_BATCH_COLS, row))
-        return BatchRecord(d["id"], d["owner"], d["tenant"], d["endpoint"], d["input_file_id"], d["completion_window"],
-                           json.loads(d["metadata"]) if d["metadata"] else None, d["status"], d["created_at"],
-                           d["expires_at"], d["total"], d["completed"], d["failed"], {k: d[k] for k in _TIMES},
-                           d["output_file_id"], d["error_file_id"], json.loads(d["errors"]) if d["errors"] else [],
-                           d["input_tokens"], d["cached_tokens"], d["output_tokens"])
+        return BatchRecord(d["id"], d["owner"], d["tenant"], d["model"], d["endpoint"], d["input_file_id"],
+                           d["completion_window"], json.loads(d["metadata"]) if d["metadata"] else None,
+                           d["status"], d["created_at"], d["expires_at"], d["total"], d["completed"], d["failed"],
+                           {k: d[k] for k in _TIMES}, d["output_file_id"], d["error_file_id"],
+                           json.loads(d["errors"]) if d["errors"] else [], d["input_tokens"], d["cached_tokens"],
+                           d["output_tokens"])
 
     def get_batch(self, owner: str | None, batch_id: str) -> BatchRecord | None:
         row = self.db.execute(f"SELECT {', '.join(_BATCH_COLS)} FROM batches WHERE id = ?", (batch_id,)).fetchone()
@@ -264,9 +267,12 @@ class BatchStore:
     def list_batches(self, owner: str, after: str | None, limit: int) -> tuple[list[BatchRecord], bool]:
         return self._page("batches", _BATCH_COLS, self._batch, owner, after, limit, "desc", ("", ()), "")
 
-    def unfinished_batches(self) -> list[BatchRecord]:
+    def unfinished_batches(self, model: str | None = None) -> list[BatchRecord]:
+        """Unfinished batches, oldest first; those made on `model` alone, if given (what a server of it runs: a
+        server of another model, on the same directory, leaves them be)."""
         rows = self.db.execute(f"SELECT {', '.join(_BATCH_COLS)} FROM batches WHERE status IN "
-                               f"({','.join('?' * len(UNFINISHED))}) ORDER BY seq", UNFINISHED).fetchall()
+                               f"({','.join('?' * len(UNFINISHED))}) AND (? IS NULL OR model = ?) ORDER BY seq",
+                               (*UNFINISHED, model, model)).fetchall()
         return [self._batch(r) for r in rows]
 
     def count_batches(self) -> dict[str, int]:
