@@ -61,11 +61,12 @@ def start_server(args, batch_dir: str, log) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "conveyor", "serve", "--model", args.model, "--served-model-name", MODEL,
            "--port", "0", "--max-num-seqs", str(args.max_num_seqs), "--batch-dir", batch_dir,
            "--disable-log-requests", "--max-queued-requests", "100000", *args.engine_args]
+    start = Path(log.name).stat().st_size  # this server's lines only (the log holds every server's)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
         assert proc.poll() is None, "the server exited: " + Path(log.name).read_text()[-3000:]
-        m = re.search(r"bound \S+:(\d+); serving there", Path(log.name).read_text(errors="replace"))
+        m = re.search(r"bound \S+:(\d+); serving there", Path(log.name).read_bytes()[start:].decode(errors="replace"))
         if m:
             url = f"http://127.0.0.1:{m.group(1)}"
             try:

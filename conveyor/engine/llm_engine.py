@@ -36,7 +36,7 @@ from conveyor.lora.request import LoRARequest
 from conveyor.model.loader import default_sampling, load_checkpoint
 from conveyor.outputs import FinishReason, StepDelta
 from conveyor.pooling import PooledOutput
-from conveyor.request import EngineRequest, Request, RequestDefaults, sequence_ids
+from conveyor.request import EngineRequest, Request, RequestDefaults, Tier, sequence_ids
 from conveyor.runner.model_runner import ModelRunner
 from conveyor.runner.sampler import SampleResult
 from conveyor.sampling_params import SamplingParams
@@ -274,6 +274,7 @@ class LLMEngine:
         self.tenant_tokens: dict[str, int] = {}
         self.phase_seconds = dict.fromkeys(STEP_PHASES, 0.0)  # cumulative, for the log, /metrics and the lab
         self.spec_stats = SpecStats()
+        self.held_deltas: dict[str, StepDelta] = {}  # batch lines' output so far, sent whole at their end (`_whole`)
         self.spec_skipped_steps = 0  # steps where guesses were ready but the back-off said they would not pay
         if config.seed is not None:  # as vLLM's --seed: requests without a seed draw from this generator
             torch.manual_seed(config.seed)
@@ -360,7 +361,7 @@ class LLMEngine:
             req = self.scheduler.abort(rid)
             if req is not None:
                 self.detok.release(rid)
-                out.append(make_delta(req, [], "", None))
+                out.append(self._whole(req, make_delta(req, [], "", None)))
         return out
 
     def abort_all(self) -> list[StepDelta]:
@@ -448,12 +449,36 @@ class LLMEngine:
         for req, toks in sampled:
             lps, slps = next(lp_iter), next(sp_iter)
             try:
-                deltas.append(self._emit(req, toks, lps, slps, drafts))
+                d = self._emit(req, toks, lps, slps, drafts)
             except Exception as exc:  # noqa: BLE001 - tied to this request (its text, stop, grammar): fail it alone
-                deltas.append(self._fail(req, exc))
+                d = self._fail(req, exc)
+            if (d := self._whole(req, d)) is not None:
+                deltas.append(d)
         if self.spec is not None:
             self._propose()
         return deltas
+
+    def _whole(self, req: Request, d: StepDelta) -> StepDelta | None:
+        """Batch lines (`Tier.BATCH`) are answered whole, never streamed: their deltas are merged here and go out
+        once, with the last (finished, failed or aborted), so a batch line costs the server's event loop one
+        delta, not one per token. Other requests' deltas pass as they are."""
+        held = self.held_deltas.pop(req.request_id, None)
+        if req.tier is not Tier.BATCH:
+            return d
+        if held is not None:
+            held.new_token_ids += d.new_token_ids
+            held.new_text += d.new_text
+            if d.new_logprobs:
+                held.new_logprobs = (held.new_logprobs or []) + d.new_logprobs
+            held.prompt_logprobs = held.prompt_logprobs or d.prompt_logprobs
+            for name in ("finish_reason", "stop_reason", "embedding", "error", "num_cached_tokens",
+                         "first_scheduled_time", "num_preemptions"):
+                setattr(held, name, getattr(d, name))
+            d = held
+        if d.finished:
+            return d
+        self.held_deltas[req.request_id] = d
+        return None
 
     def _finish_pooled(self, p: PooledOutput) -> StepDelta:
         req = self.scheduler.requests[p.request_id]
@@ -485,8 +510,8 @@ class LLMEngine:
         result.sampled_logprobs = [result.sampled_logprobs[k] for k in keep]
         result.bad = []
         plan.items = [it for it in plan.items if all(it is not d for d in dead)]
-        return [self._fail(it.request, FloatingPointError("the model produced non-finite logits for this request"))
-                for it in dead]
+        return [self._whole(it.request, self._fail(it.request, FloatingPointError(
+            "the model produced non-finite logits for this request"))) for it in dead]
 
     def _emit(self, req: Request, toks: list[int], lps: list, slps: list, drafts: dict[str, int]) -> StepDelta:
         """Read one request's new tokens one at a time (text, stop checks, grammar), and return its delta.

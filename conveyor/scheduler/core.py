@@ -30,7 +30,7 @@ from conveyor.config import EngineConfig
 from conveyor.kv_cache import KVCacheManager
 from conveyor.outputs import FinishReason
 from conveyor.request import Request, ScheduledItem, Status, Tier
-from conveyor.scheduler.step_cost import StepTimer
+from conveyor.scheduler.step_cost import SeqStepCost, StepTimer
 
 INTERACTIVE, BATCH = Tier.INTERACTIVE, Tier.BATCH
 # the batch tier's share of a step while interactive work is about (`Scheduler.tier_budget`)
@@ -93,7 +93,7 @@ class Scheduler:
         self.num_batch = 0  # batch-tier sequences here (waiting, held or running): none, and a step is one pass
         self._tiers: dict[Tier, tuple[list[Request], deque[Request]]] | None = None  # each tier's queues, mid-plan
         self._reclaimable: list[Request] = []  # batch lines the interactive pass may take seats and blocks from
-        self.timer = StepTimer()  # how long steps take, for the batch tier's share (`tier_budget`)
+        self.timer = StepTimer(SeqStepCost())  # how long steps take, for the batch tier's share (`tier_budget`)
         self.last_interactive: float | None = None  # when interactive work was last here (clock)
         self.interactive_prompt_tokens: float | None = None  # running mean of their prompts' uncomputed tokens
 
@@ -302,7 +302,8 @@ class Scheduler:
         - a step that carries an interactive prompt (or a chunk of one) takes no batch tokens: a first token
           does not wait for batch work;
         - a step of interactive decodes alone may grow to `batch_tier_slowdown` x its own cost (by the online
-          step-cost model, `StepCost`), which bounds what the batch tier adds to their time per output token;
+          step-cost model, `SeqStepCost`: a fixed cost, one per token and one per sequence), which bounds what the
+          batch tier adds to their time per output token;
         - a step with no interactive work takes at most the cost of a typical interactive prompt's step (the
           running mean of their uncomputed tokens): an interactive request arriving while it runs waits at most
           about as long as its own first step takes.
@@ -319,11 +320,13 @@ class Scheduler:
         if any(it.num_tokens - it.num_draft > 1 or not it.request.output_token_ids for it in step.items):
             step.token_budget = 0  # an interactive prompt (or a chunk of one, or a recompute) is in this step
             return
-        cost = self.timer.cost
+        a, b, c = self.timer.cost.fit()
+        per_item = max(b + c, 1e-12)  # what a batch decode adds (a prompt token adds less: this errs on the safe side)
         if inter_tokens:
-            fit = cost.tokens_within(slowdown * cost.seconds(inter_tokens)) - inter_tokens
-        else:
-            fit = max(cost.tokens_within(cost.seconds(round(self.interactive_prompt_tokens or 1))), 1)
+            room = (slowdown - 1) * (a + b * inter_tokens + c * len(step.items))
+            fit = int(room / per_item)
+        else:  # the step's fixed cost is paid anyway; the rest may grow to an interactive prompt's share
+            fit = max(int((b * (self.interactive_prompt_tokens or 1) + c) / per_item), 1)
         step.token_budget = min(step.token_budget, max(fit, 0))
 
     def _add_guesses(self, step: Step) -> None:

@@ -10,6 +10,7 @@ import pytest
 
 from conveyor.request import Request, Tier
 from conveyor.sampling_params import SamplingParams
+from conveyor.scheduler.step_cost import SeqStepCost
 
 from .harness import Harness
 
@@ -177,43 +178,64 @@ def test_other_strategies_run_batch_lines_in_steps_left_empty(scheduler):
     assert all(len(r.output_token_ids) == 20 for r in lines)
 
 
-A, B = 0.02, 0.001  # a scripted step: 20 ms plus 1 ms per token
+# scripted step costs: (fixed, per token, per sequence) seconds; a model whose tokens dominate, and one (like the
+# tests' tiny model, or any small model on a fast device) whose per-sequence costs (sampling, detokenizing) do
+COSTS = {"tokens": (0.02, 0.001, 0.0), "sequences": (0.002, 0.00001, 0.0005)}
 
 
-def costed_step(h: Harness):
+def costed_step(h: Harness, cost: tuple[float, float, float]):
     step = h.step(dt=0.0)
-    h.clock.now += A + B * step.num_tokens
+    h.clock.now += seconds(step, cost)
     return step
 
 
-def test_the_batch_tier_keeps_interactive_steps_short():
-    """With a step costing 20 ms + 1 ms a token and a backlog of batch lines on 64 seats: a step of interactive
-    decodes grows to at most 1.25x its own cost (their time per output token), a step with an interactive prompt
-    carries no batch token, a step with batch lines alone while interactive work is about costs at most a typical
-    interactive prompt's step; once interactive work has been gone batch_tier_quiet_s, batch lines get whole
-    steps."""
+def seconds(step, cost: tuple[float, float, float], tier: Tier | None = None) -> float:
+    items = [it for it in step.items if tier is None or it.request.tier is tier]
+    return cost[0] + cost[1] * sum(it.num_tokens for it in items) + cost[2] * len(items)
+
+
+@pytest.mark.parametrize("shape", COSTS)
+def test_the_batch_tier_keeps_interactive_steps_short(shape):
+    """With a scripted step cost and a backlog of batch lines on 64 seats: a step of interactive decodes grows to at
+    most 1.25x its own cost (their time per output token), a step with an interactive prompt carries no batch
+    token, a step with batch lines alone while interactive work is about costs at most a typical interactive
+    prompt's step; once interactive work has been gone batch_tier_quiet_s, batch lines get whole steps. Whether a
+    step's cost is in its tokens or in its sequences (the cost model fits both)."""
+    cost = COSTS[shape]
     h = Harness(num_blocks=4096, scheduler="iteration", max_num_seqs=64, max_num_batched_tokens=256,
                 batch_tier_quiet_s=1.0)
     [add(h, Tier.BATCH, prompt_len=40, max_tokens=400) for _ in range(40)]
-    for _ in range(5):
-        costed_step(h)
+    for _ in range(8):
+        costed_step(h, cost)
     chat = add(h, Tier.INTERACTIVE, prompt_len=24, max_tokens=40)
-    first = costed_step(h)
+    first = costed_step(h, cost)
     assert chat.first_token_time is not None and batch_in(first) == 0
     decode_steps = 0
     while not chat.finished:
-        step = costed_step(h)
-        inter = sum(it.num_tokens for it in step.items if it.request.tier is Tier.INTERACTIVE)
-        assert A + B * step.num_tokens <= 1.25 * (A + B * inter) + 1e-9
+        step = costed_step(h, cost)
+        assert seconds(step, cost) <= 1.25 * seconds(step, cost, Tier.INTERACTIVE) + 1e-9
         decode_steps += batch_in(step) > 0
     assert decode_steps > 30, "batch lines ride beside the interactive decodes"
-    ref = A + B * 24  # the interactive prompt's own step
+    ref = cost[0] + cost[1] * 24 + cost[2]  # the interactive prompt's own step
     t_end = h.clock()
     sizes = []
-    while h.clock() - t_end < 1.0:
-        step = costed_step(h)
-        assert A + B * step.num_tokens <= ref + 1e-9
+    while h.clock() - t_end < 0.9 * 1.0:  # (the quiet window counts from the last step with interactive work)
+        step = costed_step(h, cost)
+        assert seconds(step, cost) <= ref + 1e-9
         sizes.append(step.num_tokens)
     assert min(sizes) >= 1
-    step = costed_step(h)  # quiet for a second: whole steps
+    h.clock.now = max(h.clock.now, h.sched.last_interactive + 1.01)  # quiet for a second: whole steps
+    step = costed_step(h, cost)
     assert step.num_tokens > 100, step.num_tokens
+
+
+def test_the_tier_cost_model_tells_sequences_from_tokens():
+    m = SeqStepCost()
+    assert m.fit() is None
+    for tokens, seqs in ((1, 1), (8, 8), (64, 1), (40, 4), (200, 2), (16, 16)):
+        m.observe_step(tokens, seqs, 0.01 + 0.0001 * tokens + 0.002 * seqs)
+    assert m.fit() == pytest.approx((0.01, 0.0001, 0.002))
+    decodes = SeqStepCost()  # decodes only: tokens and sequences cannot be told apart; the tokens carry both
+    for n in (1, 4, 16, 2):
+        decodes.observe_step(n, n, 0.01 + 0.003 * n)
+    assert decodes.fit() == pytest.approx((0.01, 0.003, 0.0))
