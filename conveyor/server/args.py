@@ -119,7 +119,7 @@ class ServerArgs:
     # the Batch API: conveyor/server/batch/
     batch_dir: str | None = flag(
         None, "where batch files, jobs and each line's result are kept (SQLite and a files folder); a restarted "
-        "server resumes the unfinished batches it finds there (default: the user's data directory, "
+        "server resumes the unfinished batches of its model it finds there (default: the user's data directory, "
         "~/.local/share/conveyor/batches on Linux)", "batch")
     batch_max_file_bytes: int = flag(200 * 2**20, "largest batch file an upload may bring (413 past it)", "batch",
                                      type=int)
