@@ -1,4 +1,4 @@
-"""`conveyor generate | serve | bench`: the command line.
+"""`conveyor generate | serve | batch | bench`: the command line.
 
 Engine flags are shared by every subcommand and named as in vLLM (`--max-num-seqs`, ...).
 """
@@ -55,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
             from conveyor.server.launch import run_server
 
             return run_server(args)
+        if args.command == "batch":
+            from conveyor.server.batch.offline import run_batch_file
+
+            return run_batch_file(args)
     except ValueError as e:
         print(f"conveyor: error: {e}", file=sys.stderr)
         return 2
@@ -89,6 +93,14 @@ def build_parser() -> CliParser:
     add_server_args(serve)
     add_engine_args(serve)
     add_scaleout_args(serve)
+    batch = sub.add_parser("batch", help="run a Batch API file in this process (see `conveyor batch run --help`)")
+    batch_sub = batch.add_subparsers(dest="batch_command", required=True)
+    run = batch_sub.add_parser("run", help="answer every line of a Batch API file (JSONL) into an output file, as "
+                               "vLLM's run-batch", usage="%(prog)s INPUT.jsonl -o OUTPUT.jsonl [options]")
+    from conveyor.server.batch.offline import add_run_args
+
+    add_run_args(run)
+    add_engine_args(run)
     sub.add_parser("bench", help="the batching lab (see `conveyor bench --help`)")
     sub.add_parser("tune", help="find the knobs with the best goodput under a latency SLO (see `conveyor tune --help`)")
     return parser

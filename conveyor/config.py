@@ -70,6 +70,11 @@ class EngineConfig:
     # latency targets for requests that bring none (ms; None: no target); deadline-aware policies read them
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
+    # the batch tier (Batch API lines, conveyor/scheduler/core.py): while interactive work is about, a step of
+    # interactive decodes may grow to batch_tier_slowdown x its own cost with batch lines (0: no cut), a step
+    # with an interactive prompt takes none; interactive work gone batch_tier_quiet_s seconds: whole steps
+    batch_tier_slowdown: float = 1.25
+    batch_tier_quiet_s: float = 10.0
     enable_prefix_caching: bool = True
     admission_reserve: bool = False  # admit only if prompt + remaining output fits (mini-sglang style)
     seed: int | None = 0  # seeds the generator that sampled requests without their own seed draw from
@@ -111,6 +116,10 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and not v > 0:
                 raise ValueError(f"{name} must be > 0 ms, got {v}")
+        if not (self.batch_tier_slowdown == 0 or self.batch_tier_slowdown >= 1):
+            raise ValueError(f"batch_tier_slowdown must be 0 (no cut) or >= 1, got {self.batch_tier_slowdown}")
+        if not self.batch_tier_quiet_s >= 0:
+            raise ValueError(f"batch_tier_quiet_s must be >= 0 seconds, got {self.batch_tier_quiet_s}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:

@@ -32,6 +32,16 @@ DEFAULT_TENANT = "default"  # the tenant of requests that name none
 RECOMMENDED_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
+class Tier(enum.IntEnum):
+    """A request's service class. Interactive requests (every endpoint's) are served first; batch lines (the Batch
+    API, `conveyor/server/batch/`) form a lower tier that only takes the seats, tokens and KV blocks interactive work
+    leaves, and gives them back at once when it comes (`conveyor/scheduler/core.py`). Inside each tier the strategy
+    (priorities, tenants, deadlines) decides as it always does."""
+
+    INTERACTIVE = 0
+    BATCH = 1
+
+
 def tenant_name(tenant: str | None) -> str:
     """The tenant a request counts for: its own, or the default one when it named none (the one place this
     rule lives: the scheduler's policies, the engine's counts and the server's metrics all read it)."""
@@ -84,6 +94,7 @@ class EngineRequest:
     slo_ttft_s: float | None = None  # latency targets, seconds (the engine's defaults already applied)
     slo_tpot_s: float | None = None
     lora_request: LoRARequest | None = None  # the adapter the request's `model` names (None: the base model)
+    tier: Tier = Tier.INTERACTIVE  # batch lines: Tier.BATCH, served only with what interactive work leaves
     # time.monotonic() (the same clock in every process on Linux); None: when the engine takes it in
     arrival_time: float | None = None
 
@@ -104,6 +115,8 @@ class EngineRequest:
         _check_seconds("slo_tpot", self.slo_tpot_s)
         if self.lora_request is not None and not isinstance(self.lora_request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got {type(self.lora_request).__name__}")
+        if not isinstance(self.tier, Tier):
+            raise ValueError(f"tier must be a Tier, got {self.tier!r}")
 
     @property
     def num_sequences(self) -> int:
@@ -129,7 +142,7 @@ def make_request(prompt_token_ids: list[int], params: SamplingParams, *, default
                  request_id: str | None = None, priority: int = 0, cache_salt: str | None = None,
                  pooling: PoolingParams | None = None, tenant: str | None = None, slo_ttft_ms: float | None = None,
                  slo_tpot_ms: float | None = None, lora_request: LoRARequest | None = None,
-                 arrival_time: float | None = None) -> EngineRequest:
+                 arrival_time: float | None = None, tier: Tier = Tier.INTERACTIVE) -> EngineRequest:
     """The one way to build an `EngineRequest`: latency targets in milliseconds (as the API, the flags and the
     lab's workloads give them) become seconds, and an unset target takes the engine's default (`defaults`:
     the engine's `EngineInfo.request_defaults`; None: no defaults). Raises ValueError naming a bad field."""
@@ -138,7 +151,7 @@ def make_request(prompt_token_ids: list[int], params: SamplingParams, *, default
                          pooling=pooling, tenant=tenant,
                          slo_ttft_s=_target_s("slo_ttft_ms", slo_ttft_ms, d.slo_ttft_ms),
                          slo_tpot_s=_target_s("slo_tpot_ms", slo_tpot_ms, d.slo_tpot_ms),
-                         lora_request=lora_request, arrival_time=arrival_time)
+                         lora_request=lora_request, arrival_time=arrival_time, tier=tier)
 
 
 class Status(enum.Enum):
@@ -165,7 +178,7 @@ class Request:
     slo_tpot_s: float | None = None
     lora_request: LoRARequest | None = None  # the adapter this request runs under (None: the base model)
     lora_key: str | None = None  # that adapter's content digest: part of every KV block hash
-
+    tier: Tier = Tier.INTERACTIVE  # batch lines take only what interactive requests leave (scheduler/core.py)
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -202,7 +215,8 @@ class Request:
                    parent_id=group_id if n > 1 else None, index=index, priority=request.priority,
                    arrival_time=arrival_time, cache_salt=request.cache_salt, fork_from=fork_from,
                    pooling=request.pooling, tenant=request.tenant, slo_ttft_s=request.slo_ttft_s,
-                   slo_tpot_s=request.slo_tpot_s, lora_request=request.lora_request, lora_key=lora_key)
+                   slo_tpot_s=request.slo_tpot_s, lora_request=request.lora_request, lora_key=lora_key,
+                   tier=request.tier)
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:

@@ -100,6 +100,12 @@ def engine_flags() -> list[EngineFlag]:
                    "goodput read it", type=float),
         EngineFlag("slo_tpot_ms", "scheduler", "time-per-output-token target of requests that bring none "
                    "(slo_tpot_ms)", type=float),
+        EngineFlag("batch_tier_slowdown", "scheduler", "the batch tier (Batch API lines) may make a step of "
+                   "interactive decodes at most this many times slower while interactive work is about; a step with "
+                   "an interactive prompt takes no batch line (0: no cut, batch lines take whatever is left)",
+                   type=float),
+        EngineFlag("batch_tier_quiet_s", "scheduler", "seconds without interactive work after which batch lines "
+                   "get whole steps", type=float),
         EngineFlag("enable_prefix_caching", "scheduler", "turn automatic prefix caching off",
                    flags=("--no-enable-prefix-caching",), action="store_false"),
         EngineFlag("admission_reserve", "scheduler", "admit a request only if its prompt and its whole remaining "

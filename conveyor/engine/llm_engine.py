@@ -38,7 +38,7 @@ from conveyor.lora.request import LoRARequest
 from conveyor.model.loader import default_sampling, load_checkpoint
 from conveyor.outputs import FinishReason, StepDelta
 from conveyor.pooling import PooledOutput
-from conveyor.request import EngineRequest, Request, RequestDefaults, sequence_ids
+from conveyor.request import EngineRequest, Request, RequestDefaults, Tier, sequence_ids
 from conveyor.runner.model_runner import ModelRunner
 from conveyor.runner.sampler import SampleResult
 from conveyor.sampling_params import SamplingParams
@@ -119,6 +119,8 @@ class EngineSnapshot:
     steps: int = 0  # steps the scheduler has planned on this engine (since the last `reset`)
     lora_deferrals: int = 0  # steps where requests for resident adapters went first (--max-loras was the limit)
     kv_disk: DiskTierStats | None = None  # the prefix cache's disk tier (--kv-disk-dir), if any
+    batch_running: int = 0  # batch-tier sequences (Batch API lines) among `running` and `waiting`
+    batch_waiting: int = 0
 
 
 @dataclass(frozen=True)
@@ -285,6 +287,7 @@ class LLMEngine:
         self.tenant_tokens: dict[str, int] = {}
         self.phase_seconds = dict.fromkeys(STEP_PHASES, 0.0)  # cumulative, for the log, /metrics and the lab
         self.spec_stats = SpecStats()
+        self.held_deltas: dict[str, StepDelta] = {}  # batch lines' output so far, sent whole at their end (`_whole`)
         self.spec_skipped_steps = 0  # steps where guesses were ready but the back-off said they would not pay
         if config.seed is not None:  # as vLLM's --seed: requests without a seed draw from this generator
             torch.manual_seed(config.seed)
@@ -371,7 +374,7 @@ class LLMEngine:
             req = self.scheduler.abort(rid)
             if req is not None:
                 self.detok.release(rid)
-                out.append(make_delta(req, [], "", None))
+                out.append(self._whole(req, make_delta(req, [], "", None)))
         return out
 
     def abort_all(self) -> list[StepDelta]:
@@ -467,12 +470,36 @@ class LLMEngine:
         for req, toks in sampled:
             lps, slps = next(lp_iter), next(sp_iter)
             try:
-                deltas.append(self._emit(req, toks, lps, slps, drafts))
+                d = self._emit(req, toks, lps, slps, drafts)
             except Exception as exc:  # noqa: BLE001 - tied to this request (its text, stop, grammar): fail it alone
-                deltas.append(self._fail(req, exc))
+                d = self._fail(req, exc)
+            if (d := self._whole(req, d)) is not None:
+                deltas.append(d)
         if self.spec is not None:
             self._propose()
         return deltas
+
+    def _whole(self, req: Request, d: StepDelta) -> StepDelta | None:
+        """Batch lines (`Tier.BATCH`) are answered whole, never streamed: their deltas are merged here and go out
+        once, with the last (finished, failed or aborted), so a batch line costs the server's event loop one
+        delta, not one per token. Other requests' deltas pass as they are."""
+        held = self.held_deltas.pop(req.request_id, None)
+        if req.tier is not Tier.BATCH:
+            return d
+        if held is not None:
+            held.new_token_ids += d.new_token_ids
+            held.new_text += d.new_text
+            if d.new_logprobs:
+                held.new_logprobs = (held.new_logprobs or []) + d.new_logprobs
+            held.prompt_logprobs = held.prompt_logprobs or d.prompt_logprobs
+            for name in ("finish_reason", "stop_reason", "embedding", "error", "num_cached_tokens",
+                         "first_scheduled_time", "num_preemptions"):
+                setattr(held, name, getattr(d, name))
+            d = held
+        if d.finished:
+            return d
+        self.held_deltas[req.request_id] = d
+        return None
 
     def _finish_pooled(self, p: PooledOutput) -> StepDelta:
         req = self.scheduler.requests[p.request_id]
@@ -504,8 +531,8 @@ class LLMEngine:
         result.sampled_logprobs = [result.sampled_logprobs[k] for k in keep]
         result.bad = []
         plan.items = [it for it in plan.items if all(it is not d for d in dead)]
-        return [self._fail(it.request, FloatingPointError("the model produced non-finite logits for this request"))
-                for it in dead]
+        return [self._whole(it.request, self._fail(it.request, FloatingPointError(
+            "the model produced non-finite logits for this request"))) for it in dead]
 
     def _emit(self, req: Request, toks: list[int], lps: list, slps: list, drafts: dict[str, int]) -> StepDelta:
         """Read one request's new tokens one at a time (text, stop checks, grammar), and return its delta.
@@ -603,10 +630,11 @@ class LLMEngine:
             index=self.scheduler.step_count, start=start, duration=time.monotonic() - start,
             num_seqs=len(plan.items), num_tokens=plan.num_tokens,
             num_prefill_tokens=sum(it.num_tokens for it in plan.items if it.num_tokens - it.num_draft > 1),
-            request_ids=[it.request.group_id for it in plan.items], num_preempted=len(plan.preempted),
+            request_ids=[it.request.group_id for it in plan.items],
+            num_preempted=len(plan.preempted) + len(plan.reclaimed),
             request_tokens=[it.num_tokens for it in plan.items],
             request_prefill=prefill,
-            preempted_ids=[r.group_id for r in plan.preempted], lora_ids=sorted(plan.lora_ids),
+            preempted_ids=[r.group_id for r in plan.preempted + plan.reclaimed], lora_ids=sorted(plan.lora_ids),
             kv_used_blocks=used_blocks, kv_used_slots=used_blocks * bs - empty,
             num_running=self.num_running, num_waiting=self.num_waiting,
             logical_tokens=sum(r.num_computed_tokens for r in self.scheduler.running), phases=phases,
@@ -615,6 +643,7 @@ class LLMEngine:
     # --- read-only views ------------------------------------------------------------------------------
     def snapshot(self) -> EngineSnapshot:
         lora_running, lora_waiting = self.scheduler.lora_counts() if self.runner.lora is not None else ((), ())
+        batch_running, batch_waiting = self.scheduler.tier_counts()
         return EngineSnapshot(
             running=self.num_running, waiting=self.num_waiting, kv_blocks_used=self.kv.pool.num_used,
             kv_blocks_total=self.kv.pool.num_blocks, prompt_tokens=self.total_prompt_tokens,
@@ -628,8 +657,8 @@ class LLMEngine:
             lora_running=lora_running, lora_waiting=lora_waiting,
             lora_loaded=tuple(r.lora_name for r in self.runner.lora.loaded) if self.runner.lora is not None else (),
             steps=self.scheduler.step_count, lora_deferrals=self.scheduler.num_lora_deferrals,
-            tenants=self.scheduler.tenant_rows(self.tenant_tokens),
-            kv_disk=self.kv.tier.stats() if self.kv.tier is not None else None)
+            tenants=self.scheduler.tenant_rows(self.tenant_tokens), batch_running=batch_running,
+            batch_waiting=batch_waiting, kv_disk=self.kv.tier.stats() if self.kv.tier is not None else None)
 
     def activation_headroom(self, config: EngineConfig) -> int:
         """Bytes a step's activations may take at most under `config` (kept out of the KV budget)."""

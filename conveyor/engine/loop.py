@@ -28,7 +28,7 @@ from conveyor.engine.messages import (
     UnloadLoRA,
 )
 from conveyor.kv_cache.kv_map import kv_map
-from conveyor.request import EngineRequest
+from conveyor.request import EngineRequest, Tier
 from conveyor.scheduler.policies import policy_options
 
 log = logging.getLogger("conveyor.engine")
@@ -61,6 +61,8 @@ class EngineLoop:
         e = self.engine
         if isinstance(cmd, EngineRequest):
             out.added += cmd.num_sequences
+            if cmd.tier is Tier.BATCH:
+                out.added_batch += cmd.num_sequences
             try:
                 e.add_request(cmd)
             except Exception as exc:  # validated by the caller, so a bug or a race: keep the engine alive

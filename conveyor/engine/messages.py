@@ -84,6 +84,7 @@ class LoopOutput:
     time: float  # time.monotonic() when the step returned: when its tokens exist
     failed: list[FailedAdd] = field(default_factory=list)  # adds refused
     added: int = 0  # sequences whose add command the engine took in (counted for queue limits)
+    added_batch: int = 0  # ... of which batch-tier sequences (outside the interactive queue limits)
     error: str | None = None  # the engine died with this; nothing more will come
     # with `error`: what killed it, in a few fixed words fit for a metric label: "exception" (a step raised),
     # a signal's name ("SIGKILL", "SIGSEGV": the engine process was killed) or "exit" (it exited by itself)

@@ -6,10 +6,21 @@ knows how to schedule a running request (preempting others by recompute when the
 how to admit a waiting one (reusing cached prefix blocks), and how to retire a finished one. The
 *policy* (see `policies.py`) decides who goes first and who may join; nothing else differs between
 static, dynamic, continuous and iteration-level batching.
+
+Tiers (`conveyor.request.Tier`): batch lines (the Batch API) are a lower tier than every other request, and the
+mechanism keeps them apart here, once, for every strategy. A step is planned in two passes. The interactive pass
+runs the policy over the interactive requests alone, as if the batch tier were not there: it may take every seat
+(`max_num_seqs`), the whole token budget and every KV block, and whatever of those batch lines hold is taken back
+by preemption (recompute; a preempted line keeps what it generated and its full blocks stay in the prefix cache,
+so it resumes from its cached prefix). The batch pass then runs a second instance of the same policy (its own
+counters, timers and aging) over the batch lines, with the seats and tokens left over, cut further while
+interactive traffic is about (`tier_budget`), so that a batch step never makes an interactive request wait much
+longer than it would on an idle engine. Priorities, tenants' shares and deadlines hold inside each tier.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -18,7 +29,12 @@ from dataclasses import dataclass, field
 from conveyor.config import EngineConfig
 from conveyor.kv_cache import KVCacheManager
 from conveyor.outputs import FinishReason
-from conveyor.request import Request, ScheduledItem, Status
+from conveyor.request import Request, ScheduledItem, Status, Tier
+from conveyor.scheduler.step_cost import SeqStepCost, StepTimer
+
+INTERACTIVE, BATCH = Tier.INTERACTIVE, Tier.BATCH
+# the batch tier's share of a step while interactive work is about (`Scheduler.tier_budget`)
+TIER_REF_DECAY = 0.8  # the running mean of interactive prompts' uncomputed tokens keeps this much of itself
 
 
 @dataclass
@@ -29,6 +45,7 @@ class Step:
     max_seqs: int
     items: list[ScheduledItem] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    reclaimed: list[Request] = field(default_factory=list)  # batch lines preempted for interactive work
     admitted: list[Request] = field(default_factory=list)
     scheduled_ids: set[str] = field(default_factory=set)
     lora_ids: set[int] = field(default_factory=set)  # distinct LoRA adapters in this step
@@ -72,12 +89,31 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_lora_deferrals = 0  # steps where requests for resident adapters went first (prefer_resident_loras)
         self.step_count = 0
+        # tiers (see the module docstring)
+        self.num_batch = 0  # batch-tier sequences here (waiting, held or running): none, and a step is one pass
+        self._tiers: dict[Tier, tuple[list[Request], deque[Request]]] | None = None  # each tier's queues, mid-plan
+        self._reclaimable: list[Request] = []  # batch lines the interactive pass may take seats and blocks from
+        self.timer = StepTimer(SeqStepCost())  # how long steps take, for the batch tier's share (`tier_budget`)
+        self.last_interactive: float | None = None  # when interactive work was last here (clock)
+        self.interactive_prompt_tokens: float | None = None  # running mean of their prompts' uncomputed tokens
+
+    @property
+    def policy(self):
+        """The strategy. Setting it also gives the batch tier a fresh instance of its own (a copy taken now, so
+        the one given must not have served yet: the engine builds a new one for every switch)."""
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy) -> None:
+        self._policy = policy
+        self.batch_policy = copy.deepcopy(policy)
 
     # --- queue management -------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         """Queue a request. Siblings of an n > 1 request are held until sample 0 has computed the
         prompt, then fork its blocks instead of computing the prompt again."""
         self.requests[req.request_id] = req
+        self.num_batch += req.tier is BATCH
         if req.fork_from is not None and not req.fork_from.finished:
             self.held.setdefault(req.fork_from.request_id, []).append(req)
         else:
@@ -108,6 +144,12 @@ class Scheduler:
             rows.setdefault(r.tenant_id, [0, 0])[1] += 1
         return tuple((t, run, wait, tokens.get(t, 0)) for t, (run, wait) in sorted(rows.items()))
 
+    def tier_counts(self) -> tuple[int, int]:
+        """Batch-tier sequences (running, waiting), for /metrics and the dashboard."""
+        if not self.num_batch:
+            return 0, 0
+        return (sum(r.tier is BATCH for r in self.running), sum(r.tier is BATCH for r in self._queued()))
+
     def lora_counts(self) -> tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]]:
         """Sequences per adapter name, (running, waiting) (vLLM's lora_requests_info)."""
 
@@ -125,7 +167,11 @@ class Scheduler:
         for sib in reversed(self.held.pop(source.request_id, [])):
             if sib.prompt_logprobs is not None and len(source.prompt_logprobs or ()) > len(sib.prompt_logprobs):
                 sib.prompt_logprobs = list(source.prompt_logprobs)  # the shared prompt's, computed once
-            self.waiting.appendleft(sib)
+            self._queues(sib)[1].appendleft(sib)
+
+    def _queues(self, req: Request) -> tuple[list[Request], deque[Request]]:
+        """The running list and waiting queue `req` belongs in: its tier's while a step is planned in tiers."""
+        return self._tiers[req.tier] if self._tiers is not None else (self.running, self.waiting)
 
     def abort(self, request_id: str) -> Request | None:
         req = self.requests.get(request_id)
@@ -135,10 +181,11 @@ class Scheduler:
         return req
 
     def finish(self, req: Request, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        running, waiting = self._queues(req)
         if req.status is Status.RUNNING:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
+            running.remove(req)
+        elif req in waiting:
+            waiting.remove(req)
         elif req.fork_from is not None and req in self.held.get(req.fork_from.request_id, ()):
             self.held[req.fork_from.request_id].remove(req)
         self._release_held(req)
@@ -147,32 +194,144 @@ class Scheduler:
         req.stop_reason = stop_reason
         req.finished_time = self.clock()
         self.kv.free(req)
-        self.requests.pop(req.request_id, None)
+        if self.requests.pop(req.request_id, None) is not None:
+            self.num_batch -= req.tier is BATCH
 
     def preempt(self, req: Request, step: Step) -> None:
         """Recompute-style preemption: drop its KV, send it to the head of the queue."""
-        self.running.remove(req)
+        running, waiting = self._queues(req)
+        running.remove(req)
         self.kv.free(req)
         self._release_held(req)
         req.status = Status.WAITING
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        waiting.appendleft(req)
         step.preempted.append(req)
+
+    def _reclaim(self, step: Step) -> bool:
+        """Take one batch line out of the running set for interactive work (the lowest priority, newest first):
+        False when no batch line runs. Counted apart (`Step.reclaimed`): to the policy planning interactive work
+        it is room that was free, not a sign that the KV pool is full."""
+        if not self._reclaimable:
+            return False
+        victim = max(self._reclaimable, key=lambda r: (r.priority, r.arrival_time))
+        self.preempt(victim, step)
+        step.preempted.pop()
+        step.reclaimed.append(victim)
+        return True
+
+    def _allocate(self, req: Request, n: int, step: Step, cached: list[int] = ()) -> bool:
+        """`kv.allocate_slots`, taking blocks back from batch lines when the pool is short (interactive pass)."""
+        while not self.kv.allocate_slots(req, n, cached):
+            if not self._reclaim(step):
+                return False
+        return True
+
+    def free_blocks(self) -> int:
+        """KV blocks the policy planning now may count on: the free ones, and while interactive work is planned,
+        those batch lines hold (taken back when needed)."""
+        return self.kv.num_free_blocks + sum(self.kv.num_blocks_of(r) for r in self._reclaimable)
 
     # --- the step ---------------------------------------------------------------------------------
     def schedule(self) -> Step:
+        self.timer.observe(self)
         step = Step(self.config.max_num_batched_tokens, self.max_num_seqs)
         if self.kv.tier is not None:
             self.kv.poll_loads()  # blocks read from disk since the last step join the pool's cached blocks
-        self.policy.schedule(self, step)
+        if self.num_batch:
+            self._schedule_tiers(step)
+        else:
+            if self.running or self.waiting:
+                self.last_interactive = self.clock()
+            self._policy.schedule(self, step)
+            self._note_interactive_prompts(step)
+        self.timer.planned(self, step)
         self._add_guesses(step)
         for req in self.waiting:
             req.waited_steps += 1
             req.total_waited_steps += 1
         self.step_count += 1
         return step
+
+    def _schedule_tiers(self, step: Step) -> None:
+        """Plan a step with batch lines about: the interactive pass, then the batch pass (module docstring)."""
+        inter_run = [r for r in self.running if r.tier is not BATCH]
+        batch_run = [r for r in self.running if r.tier is BATCH]
+        inter_wait = deque(r for r in self.waiting if r.tier is not BATCH)
+        batch_wait = deque(r for r in self.waiting if r.tier is BATCH)
+        if inter_run or inter_wait or any(r.tier is not BATCH for r in self._queued()):
+            self.last_interactive = self.clock()
+        self._tiers = {INTERACTIVE: (inter_run, inter_wait), BATCH: (batch_run, batch_wait)}
+        seats = self.max_num_seqs
+        try:
+            # the interactive pass: every seat, token and block is there for the taking
+            self.running, self.waiting = inter_run, inter_wait
+            self._reclaimable = batch_run
+            self._policy.schedule(self, step)
+            self._note_interactive_prompts(step)
+            while len(inter_run) + len(batch_run) > seats and self._reclaim(step):
+                pass  # interactive requests took seats batch lines held
+            self._reclaimable = []
+            # the batch pass: what is left, in steps of every strategy that shares steps between requests (the
+            # iteration family); the others (run-to-completion batches, prefill-only steps) keep their step shape,
+            # and batch lines run in the steps interactive work leaves empty
+            if step.items and not getattr(self._policy, "tiers_share_steps", False):
+                return
+            self.tier_budget(step)
+            self.running, self.waiting = batch_run, batch_wait
+            self.max_num_seqs = max(seats - len(inter_run), 0)
+            self.batch_policy.schedule(self, step)
+        finally:
+            self.max_num_seqs = seats
+            self._reclaimable = []
+            self._tiers = None
+            self.running = inter_run + batch_run
+            self.waiting = deque([*inter_wait, *batch_wait])
+
+    def _note_interactive_prompts(self, step: Step) -> None:
+        """Keep a running mean of the uncomputed tokens of interactive prompts as they are admitted: the size of
+        the step an interactive request's first token takes on an engine with nothing else to do."""
+        for r in step.admitted:
+            if r.tier is BATCH or r.num_preemptions:
+                continue
+            n = max(r.num_prompt_tokens - r.num_cached_tokens, 1)
+            m = self.interactive_prompt_tokens
+            self.interactive_prompt_tokens = n if m is None else TIER_REF_DECAY * m + (1 - TIER_REF_DECAY) * n
+
+    def tier_budget(self, step: Step) -> None:
+        """Cut the token budget the batch pass gets, while interactive work is about (it was here within
+        `batch_tier_quiet_s`), so that interactive requests barely notice the batch tier:
+        - a step that carries an interactive prompt (or a chunk of one) takes no batch tokens: a first token
+          does not wait for batch work;
+        - a step of interactive decodes alone may grow to `batch_tier_slowdown` x its own cost (by the online
+          step-cost model, `SeqStepCost`: a fixed cost, one per token and one per sequence), which bounds what the
+          batch tier adds to their time per output token;
+        - a step with no interactive work takes at most the cost of a typical interactive prompt's step (the
+          running mean of their uncomputed tokens): an interactive request arriving while it runs waits at most
+          about as long as its own first step takes.
+        Nothing is cut without interactive traffic (the batch then runs at the engine's full throughput), with
+        `batch_tier_slowdown` 0, or before the cost model has seen a step. A step with no interactive work always
+        leaves the batch at least one token, so that it progresses in every step interactive work leaves empty."""
+        cfg = self.config
+        slowdown = cfg.batch_tier_slowdown
+        now = self.clock()
+        if (not slowdown or self.last_interactive is None or now - self.last_interactive > cfg.batch_tier_quiet_s
+                or self.timer.cost.fit() is None):
+            return
+        inter_tokens = step.num_tokens
+        if any(it.num_tokens - it.num_draft > 1 or not it.request.output_token_ids for it in step.items):
+            step.token_budget = 0  # an interactive prompt (or a chunk of one, or a recompute) is in this step
+            return
+        a, b, c = self.timer.cost.fit()
+        per_item = max(b + c, 1e-12)  # what a batch decode adds (a prompt token adds less: this errs on the safe side)
+        if inter_tokens:
+            room = (slowdown - 1) * (a + b * inter_tokens + c * len(step.items))
+            fit = int(room / per_item)
+        else:  # the step's fixed cost is paid anyway; the rest may grow to an interactive prompt's share
+            fit = max(int((b * (self.interactive_prompt_tokens or 1) + c) / per_item), 1)
+        step.token_budget = min(step.token_budget, max(fit, 0))
 
     def _add_guesses(self, step: Step) -> None:
         """Speculative decoding: the guessed tokens of decoding sequences ride along in what is left of
@@ -209,7 +368,7 @@ class Scheduler:
             n = min(want, step.token_budget)
             if n < want and not chunk and want <= self.config.max_num_batched_tokens:
                 continue
-            while not self.kv.allocate_slots(req, n):
+            while not self._allocate(req, n, step):
                 cands = [r for r in self.running if r is not req and r.request_id not in step.scheduled_ids]
                 if not cands:
                     self.preempt(req, step)
@@ -288,7 +447,7 @@ class Scheduler:
             return False  # whole prompts only; one longer than the whole budget goes alone, chunked
         if self.config.admission_reserve and not self._fits_with_reserve(req, num_cached):
             return False
-        if not self.kv.allocate_slots(req, n, cached):
+        if not self._allocate(req, n, step, cached):
             return False
         self.kv.record_prefix_query(req.num_tokens, num_cached)
         self.waiting.remove(req)
@@ -323,7 +482,7 @@ class Scheduler:
             return False
         self.kv.fork(src, req, req.num_prompt_tokens - 1)
         req.num_computed_tokens = req.num_prompt_tokens - 1
-        if not self.kv.allocate_slots(req, 1):
+        if not self._allocate(req, 1, step):
             self.kv.free(req)
             req.num_computed_tokens = 0
             return False

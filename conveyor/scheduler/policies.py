@@ -25,6 +25,9 @@ from typing import TYPE_CHECKING
 
 from conveyor.request import Request, Status
 from conveyor.scheduler.core import Scheduler, Step
+from conveyor.scheduler.step_cost import StepCost, StepTimer
+
+__all__ = ["POLICIES", "Policy", "StepCost", "StepTimer", "make_policy"]  # StepCost: where tests and the lab look
 
 if TYPE_CHECKING:
     from conveyor.config import EngineConfig
@@ -32,6 +35,9 @@ if TYPE_CHECKING:
 
 class Policy:
     name = "base"
+    # whether batch lines may ride in the same steps as interactive requests (the iteration family: one token
+    # budget shared by everyone); otherwise they run in the steps interactive work leaves empty (scheduler/core.py)
+    tiers_share_steps = False
 
     def schedule(self, s: Scheduler, step: Step) -> None:
         raise NotImplementedError
@@ -117,6 +123,7 @@ class IterationPolicy(Policy):
     """
 
     name = "iteration"
+    tiers_share_steps = True
 
     def __init__(self, config: EngineConfig) -> None:
         self.max_partial_prefills = config.max_num_partial_prefills
@@ -229,7 +236,7 @@ class PriorityPolicy(IterationPolicy):
             level = w.priority  # waiting earns admission order, not the power to preempt (no churn)
             n = min(w.num_tokens - w.num_computed_tokens, budget)
             need = -(-n // bs)
-            while seqs + 1 > s.max_num_seqs or blocks + need > s.kv.num_free_blocks:
+            while seqs + 1 > s.max_num_seqs or blocks + need > s.free_blocks():
                 cands = [r for r in s.running if self.effective_priority(r) > level]
                 if not cands:
                     return  # nobody it outranks: it waits like everyone else
@@ -483,6 +490,7 @@ class FairPolicy(IterationPolicy):
 
     def schedule(self, s: Scheduler, step: Step) -> None:
         self.timer.observe(s)
+        first = len(step.items)  # what this call plans (the step may hold another tier's items already)
         self.update_light(s)
         self.preempt_for_share(s, step)
         self.serve_under_share_first(s, step)
@@ -491,7 +499,7 @@ class FairPolicy(IterationPolicy):
         self.timer.planned(s, step)
         # fade; a tenant whose recent service has faded to nothing is dropped (tenants come and go by the thousand)
         self.recent = {t: v * self.RECENT_DECAY for t, v in self.recent.items() if v > 1e-3}
-        for it in step.items:  # charge what this step serves
+        for it in step.items[first:]:  # charge what this step serves
             r = it.request
             fed = it.num_tokens - it.num_draft
             decode = fed == 1 and r.num_computed_tokens >= r.num_prompt_tokens
@@ -502,70 +510,6 @@ class FairPolicy(IterationPolicy):
         # a light tenant gone quiet for good leaves the light set with its recent service (one back later is
         # judged afresh); one with requests stays, served in this step or not
         self.light &= self.recent.keys() | self.light_now
-
-
-class StepCost:
-    """An online model of how long a step takes for its token count, `seconds = a + b * tokens`, fitted by
-    least squares over the recent steps (older ones fade by `decay` per step).
-
-    The scheduler has no timer of its own, but it knows when it is called: when the previous step left work
-    behind, the engine steps again at once, so the time between two calls is the previous step's duration.
-    That is all the deadline-aware policy needs to tell whether a waiting request can still make its TTFT
-    deadline and how many tokens a step may carry without breaking a running request's TPOT target, on
-    whatever machine and model it runs, with no calibration run."""
-
-    def __init__(self, decay: float = 0.97) -> None:
-        self.decay = decay
-        self.n = self.sx = self.sxx = self.sy = self.sxy = 0.0
-
-    def observe(self, tokens: int, seconds: float) -> None:
-        d = self.decay
-        self.n, self.sx, self.sxx = d * self.n + 1, d * self.sx + tokens, d * self.sxx + tokens * tokens
-        self.sy, self.sxy = d * self.sy + seconds, d * self.sxy + tokens * seconds
-
-    def fit(self) -> tuple[float, float] | None:
-        """(a, b), or None before any step was seen. Steps that all carried the same number of tokens
-        cannot separate the fixed cost from the per-token one: then the whole cost is put on the tokens
-        (the next steps of another size correct it). Neither is ever negative."""
-        if self.n < 1 or self.sx <= 0:
-            return None
-        det = self.n * self.sxx - self.sx * self.sx
-        if det > 1e-9 * self.n * self.sxx:
-            b = (self.n * self.sxy - self.sx * self.sy) / det
-            a = (self.sy - b * self.sx) / self.n
-            if a >= 0 and b > 0:
-                return a, b
-        return 0.0, max(self.sy / self.sx, 1e-9)
-
-    def seconds(self, tokens: int) -> float:
-        ab = self.fit()
-        return 0.0 if ab is None else ab[0] + ab[1] * tokens
-
-    def tokens_within(self, seconds: float) -> int | None:
-        """The most tokens a step may carry and still take at most `seconds` (None: no model yet)."""
-        ab = self.fit()
-        return None if ab is None else max(int((seconds - ab[0]) / ab[1]), 0)
-
-
-class StepTimer:
-    """Feeds a `StepCost` from the scheduler's own calls: the time since the last call is the last step's
-    duration, if that step left work behind (so the engine stepped again at once, with no idle gap in
-    between). A policy calls `observe` when a step begins and `planned` once it is planned."""
-
-    def __init__(self) -> None:
-        self.cost = StepCost()
-        self.last: tuple[float, int, list[Request]] | None = None  # last step: planned when, tokens, requests
-
-    def observe(self, s: Scheduler) -> None:
-        now = s.clock()
-        if self.last is not None:
-            t, tokens, reqs = self.last
-            if tokens and any(not r.finished for r in reqs) and now > t:
-                self.cost.observe(tokens, now - t)
-        self.last = None
-
-    def planned(self, s: Scheduler, step: Step) -> None:
-        self.last = (s.clock(), step.num_tokens, [it.request for it in step.items])
 
 
 class SloPolicy(IterationPolicy):
@@ -632,9 +576,9 @@ class SloPolicy(IterationPolicy):
 
     def schedule(self, s: Scheduler, step: Step) -> None:
         self.timer.observe(s)
-        cap = self.token_cap(s)
-        if cap is not None and cap < step.token_budget:
-            step.token_budget = cap
+        cap = self.token_cap(s)  # the whole step's tokens (it may hold another tier's items already)
+        if cap is not None and cap - step.num_tokens < step.token_budget:
+            step.token_budget = max(cap - step.num_tokens, 0)
         s.running.sort(key=lambda r: (r.slo_tpot_s is None, r.slo_tpot_s or 0.0, r.arrival_time))
         super().schedule(s, step)
         self.timer.planned(s, step)

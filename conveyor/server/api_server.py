@@ -32,6 +32,7 @@ from conveyor.server import protocol as P
 from conveyor.server.admin import install_admin_routes
 from conveyor.server.args import KEEP_ALIVE_S, RETRY_AFTER_S, ServerArgs, add_server_args
 from conveyor.server.async_engine import AsyncEngine
+from conveyor.server.batch.api import BatchService
 from conveyor.server.chat import OpenAIServingChat
 from conveyor.server.completions import OpenAIServingCompletion
 from conveyor.server.dashboard import DashboardHub, dashboard_html, dashboard_setup
@@ -148,7 +149,11 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
             client.start()
             client.join(10)
         raise
+    batch = BatchService(ctx, args.batch_dir, args.batch_max_file_bytes, args.batch_max_lines,
+                         args.batch_max_disk_bytes, args.batch_max_inflight or 2 * engine_config.max_num_seqs,
+                         registry=metrics.registry)
     hub = DashboardHub(aengine, dashboard_setup(engine_config, info))
+    hub.sources["batch"] = batch.dashboard_view
     aengine.observers.append(hub.observe)
     metrics.listeners.append(hub)
     logging.getLogger("conveyor.server.requests").disabled = args.disable_log_requests
@@ -156,7 +161,9 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await aengine.start()
+        await batch.start()
         yield
+        await batch.stop()
         hub.close()
         await aengine.stop(timeout=10.0)
         store.close()
@@ -168,6 +175,7 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
     app.state.metrics = metrics
     app.state.args = args
     app.state.dashboard = hub
+    app.state.batch = batch
 
     check_key = ApiKeys(args.api_key).check
 
@@ -252,6 +260,7 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     install_admin_routes(app, aengine, check_key, lambda request: read_json(request, args.max_request_bytes))
+    batch.install(app, check_key, args.max_request_bytes)
 
     return app
 

@@ -26,8 +26,8 @@ KEEP_ALIVE_S = 20.0
 ENGINE_LOOPS = ("thread", "process", "inline")  # conveyor/engine/clients.py
 DEFAULT_ENGINE_LOOP = "thread"  # docs/engine-loop.md has the measurements behind it; the one place to change it
 RETRY_AFTER_S = 1  # what a server that is loading, restarting its engine or draining tells clients to wait
-SERVER_GROUPS = {"server": "server", "tools": "tools and templates", "embeddings": "embeddings",
-                 "responses": "the Responses API's store"}  # --help order
+SERVER_GROUPS = {"server": "server", "tools": "tools and templates", "embeddings": "embeddings",  # --help order
+                 "responses": "the Responses API's store", "batch": "Batch API (/v1/files, /v1/batches)"}
 
 
 def flag(default: Any, help: str | Callable[[], str] = "", group: str = "server", env: str | None = None,
@@ -137,6 +137,21 @@ class ServerArgs:
         10000, "stored responses kept, the oldest dropped first (0: store none; previous_response_id then finds "
         "nothing)", "responses", type=int)
     responses_max_age_days: float = flag(30.0, "days a stored response is kept", "responses", type=float)
+
+    # the Batch API: conveyor/server/batch/
+    batch_dir: str | None = flag(
+        None, "where batch files, jobs and each line's result are kept (SQLite and a files folder); a restarted "
+        "server resumes the unfinished batches of its model it finds there (default: the user's data directory, "
+        "~/.local/share/conveyor/batches on Linux)", "batch")
+    batch_max_file_bytes: int = flag(200 * 2**20, "largest batch file an upload may bring (413 past it)", "batch",
+                                     type=int)
+    batch_max_lines: int = flag(50_000, "most requests (lines) in one batch file (400 past it)", "batch", type=int)
+    batch_max_disk_bytes: int = flag(
+        10 * 2**30, "most bytes --batch-dir may hold, inputs, results and outputs together; an upload that would go "
+        "past it gets 413", "batch", type=int)
+    batch_max_inflight: int | None = flag(
+        None, "batch lines handed to the engine at once, across all batches (default: 2 x --max-num-seqs): enough "
+        "to fill every seat interactive work leaves, few enough that a cancel is prompt", "batch", type=int)
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> ServerArgs:

@@ -45,7 +45,7 @@ from conveyor.engine.messages import (
     UnloadLoRA,
 )
 from conveyor.outputs import FinishReason, StepDelta
-from conveyor.request import EngineRequest, sequence_ids
+from conveyor.request import EngineRequest, Tier, sequence_ids
 from conveyor.server.args import RETRY_AFTER_S
 from conveyor.server.metrics import EngineStats, ServerMetrics
 
@@ -129,8 +129,12 @@ class Submission:
         self.started = False  # some request of it produced output or was scheduled: lost if the engine dies
         self.failed = False
         self.tenant = inputs[0].tenant if inputs else None  # one API call, one tenant
+        # a batch line (the Batch API): outside the queue limits, and out of the latency histograms, whose
+        # numbers are interactive requests' (a line waits for what interactive work leaves, by design)
+        self.batch = bool(inputs) and inputs[0].tier is Tier.BATCH
         # prompt tokens of engine requests that have produced nothing yet (queued or in prefill), by group id
-        self.unstarted = {inp.request_id: len(inp.prompt_token_ids) * inp.params.n for inp in inputs}
+        self.unstarted = {} if self.batch else {inp.request_id: len(inp.prompt_token_ids) * inp.params.n
+                                                for inp in inputs}
 
     # --- called by AsyncEngine, on the event loop --------------------------------------------------
     def deliver(self, d: StepDelta, t: float) -> None:
@@ -145,7 +149,7 @@ class Submission:
         if d.new_token_ids:
             if seq.first_t is None:
                 seq.first_t = t
-            elif metrics is not None:
+            elif metrics is not None and not self.batch:
                 metrics.observe_itl(t - seq.last_t)
             seq.last_t = t
             seq.num_tokens += len(d.new_token_ids)
@@ -156,11 +160,11 @@ class Submission:
             self.remaining -= 1
             if metrics is not None:
                 scheduled = d.first_scheduled_time
-                queued = scheduled - self.arrival if scheduled is not None else None
-                metrics.observe_finish(d.finish_reason, None if seq.first_t is None else seq.first_t - self.arrival,
-                                       t - self.arrival, queued)
+                queued = scheduled - self.arrival if scheduled is not None and not self.batch else None
+                ttft = seq.first_t - self.arrival if seq.first_t is not None and not self.batch else None
+                metrics.observe_finish(d.finish_reason, ttft, None if self.batch else t - self.arrival, queued)
                 metrics.observe_tenant_finish(self.tenant, len(self.inputs[0].prompt_token_ids) if d.index == 0 else 0,
-                                              None if seq.first_t is None else seq.first_t - self.arrival, queued)
+                                              ttft, queued)
         self.queue.put_nowait(d)
 
     def fail(self, exc: BaseException) -> None:
@@ -333,6 +337,11 @@ class AsyncEngine:
             sub.fail(EngineDeadError("the server is shutting down"))
 
     @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop the HTTP side runs on (None before `start`)."""
+        return self._loop
+
+    @property
     def alive(self) -> bool:
         c = self.client
         return self.state == SERVING and c is not None and c.alive and not self._stopping
@@ -383,13 +392,18 @@ class AsyncEngine:
     # --- the HTTP side's API --------------------------------------------------------------------------
     def submit(self, api_id: str, inputs: list[EngineRequest]) -> Submission:
         """Queue one API call's requests. Raises EngineDeadError (or a subclass saying why: restarting,
-        draining) or QueueFullError; nothing is queued then."""
+        draining) or QueueFullError; nothing is queued then.
+
+        Batch lines (`Tier.BATCH`: one call's inputs are all of one tier) are not held to the queue limits, and
+        do not count against them: the batch runner feeds the engine a bounded number at a time."""
         refusal = self._refusal()
         if refusal is not None:
             raise refusal
         num = sum(inp.params.n for inp in inputs)
+        if inputs and inputs[0].tier is Tier.BATCH:
+            return self._queue(api_id, inputs, 0)
         if self.max_queued_requests is not None:
-            queued = self._num_pending_adds + self._stats.waiting
+            queued = self._num_pending_adds + self._stats.waiting - self._stats.batch_waiting
             if queued + num > self.max_queued_requests:
                 raise QueueFullError(f"the waiting queue is full ({queued} queued, limit "
                                      f"{self.max_queued_requests}); retry later")
@@ -399,13 +413,16 @@ class AsyncEngine:
             if self.queued_tokens and self.queued_tokens + tokens > self.max_queued_tokens:
                 raise QueueFullError(f"the waiting queue is full ({self.queued_tokens} prompt tokens queued, limit "
                                      f"{self.max_queued_tokens}); retry later")
+        return self._queue(api_id, inputs, num)
+
+    def _queue(self, api_id: str, inputs: list[EngineRequest], pending: int) -> Submission:
         arrival = time.monotonic()
         inputs = [dataclasses.replace(inp, arrival_time=arrival) for inp in inputs]
         sub = Submission(self, api_id, inputs, arrival)
         self._subs[api_id] = sub
         for inp in inputs:
             self._group_to_sub[inp.request_id] = sub
-        self._num_pending_adds += num
+        self._num_pending_adds += pending
         self.queued_tokens += sum(sub.unstarted.values())
         for inp in inputs:
             self.client.send(inp)
@@ -453,13 +470,18 @@ class AsyncEngine:
     async def abort_all_after(self, grace_s: float) -> None:
         """Shutdown: give open calls `grace_s` seconds, then abort the rest *cleanly*: each
         unfinished sequence gets a final delta with finish_reason "abort", so streams still end
-        with a last chunk and [DONE] instead of a cut connection."""
+        with a last chunk and [DONE] instead of a cut connection. Batch lines are left to the batch runner,
+        which stops them (uncommitted) when the app stops."""
         deadline = time.monotonic() + grace_s
-        while self._subs and time.monotonic() < deadline:
+
+        def open_calls() -> list[Submission]:  # batch lines are not waited for: they run again after a restart
+            return [sub for sub in self._subs.values() if not sub.batch]
+
+        while open_calls() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if self._subs:
-            log.warning("aborting %d in-flight request(s) at shutdown", len(self._subs))
-            for sub in list(self._subs.values()):
+        if open_calls():
+            log.warning("aborting %d in-flight request(s) at shutdown", len(open_calls()))
+            for sub in open_calls():
                 for inp in sub.inputs:
                     self.send(AbortRequest(inp.request_id))
 
@@ -495,7 +517,7 @@ class AsyncEngine:
     def _on_output(self, gen: int, out: LoopOutput) -> None:
         if gen != self._gen:  # an engine that is gone (a restart has begun since)
             return
-        self._num_pending_adds = max(0, self._num_pending_adds - out.added)
+        self._num_pending_adds = max(0, self._num_pending_adds - (out.added - out.added_batch))
         if out.stats is not None:
             if out.stats.num_seqs > 0:
                 self._c.steps += 1
@@ -552,7 +574,7 @@ class AsyncEngine:
             kv_blocks_used=s.kv_blocks_used, kv_blocks_total=s.kv_blocks_total, steps=self._c.steps,
             step_seqs=self._c.step_seqs, phase_seconds=tuple(phases.items()), scheduler=s.scheduler,
             spec_accepted_per_pos=tuple(per_pos), lora_running=s.lora_running, lora_waiting=s.lora_waiting,
-            kv_disk=s.kv_disk, **carried)
+            batch_running=s.batch_running, batch_waiting=s.batch_waiting, kv_disk=s.kv_disk, **carried)
 
     # --- supervision: a lost engine and its restart ------------------------------------------------------
     def _count_loss(self) -> int:
@@ -682,7 +704,7 @@ class AsyncEngine:
         kept = sorted((sub for sub in self._subs.values() if not sub.failed), key=lambda sub: sub.arrival)
         for sub in kept:  # in the order they first came
             for inp in sub.inputs:
-                self._num_pending_adds += inp.params.n
+                self._num_pending_adds += 0 if sub.batch else inp.params.n  # batch lines: outside the queue limits
                 client.send(inp)
         log.info("engine restarted in %.1f s: serving again; %d waiting request(s) sent to the new engine",
                  time.monotonic() - t0, len(kept))

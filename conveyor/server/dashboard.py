@@ -25,7 +25,7 @@ import json
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from importlib import resources
 from typing import Any
 
@@ -117,6 +117,9 @@ class DashboardHub:
         self._switches: deque[tuple[float, str]] = deque(maxlen=64)  # (seconds since t0, strategy) of switches
         self._mark: str | None = None  # a switch not yet drawn on a step (the engine was idle)
         self._setup_changed = False
+        # other parts of the server with a view to show (the Batch API: its batches' progress), sent once a second
+        # under their name: name -> a function returning a JSON-able value (None: nothing to show)
+        self.sources: dict[str, Callable[[], object]] = {}
 
     # --- inputs (all on the event loop) --------------------------------------------------------------
     def _second(self, now: float) -> _Second:
@@ -234,6 +237,8 @@ class DashboardHub:
                               # the busiest tenants first (requests now, then tokens): what a fair strategy shares
                               "tenants": [list(row) for row in sorted(s.tenants, key=lambda r: (-r[1] - r[2], -r[3],
                                                                                                r[0]))[:TENANT_ROWS]]}
+            if s.batch_running or s.batch_waiting or self.sources.get("batch"):  # the batch tier's seats
+                ev["snapshot"]["batch_tier"] = {"running": s.batch_running, "waiting": s.batch_waiting}
             if self.setup.get("max_loras"):  # LoRA: who is in the batch, who waits, what is loaded
                 ev["snapshot"]["lora"] = {"running": dict(s.lora_running), "waiting": dict(s.lora_waiting),
                                           "loaded": list(s.lora_loaded)}
@@ -245,6 +250,14 @@ class DashboardHub:
             ev["setup"], self._setup_changed = self.setup, False
         if with_minute:
             ev["minute"] = self.minute()
+            for name, view in self.sources.items():
+                try:
+                    value = view()
+                except Exception:  # a view's failure must not stop the dashboard
+                    log.exception("the dashboard's %s view failed", name)
+                    value = None
+                if value is not None:
+                    ev[name] = value
         return ev
 
     def close(self) -> None:

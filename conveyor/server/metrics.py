@@ -68,6 +68,8 @@ class EngineStats:
     lora_running: tuple[tuple[str, int], ...] = ()  # sequences per LoRA adapter name
     lora_waiting: tuple[tuple[str, int], ...] = ()
     kv_disk: DiskTierStats | None = None  # the prefix cache's disk tier (--kv-disk-dir), if any
+    batch_running: int = 0  # batch-tier sequences (Batch API lines) among `running` and `waiting`
+    batch_waiting: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -99,6 +101,10 @@ class _EngineCollector(Collector):
                     float(s.alive))
         yield gauge("num_requests_running", "Sequences in the running batch.", s.running)
         yield gauge("num_requests_waiting", "Sequences waiting to be scheduled.", s.waiting)
+        yield gauge("batch_tier_seats", "Batch-tier sequences (Batch API lines) in the running batch: seats "
+                    "interactive requests left them.", s.batch_running)
+        yield gauge("batch_tier_waiting", "Batch-tier sequences the engine holds waiting (the server feeds it a "
+                    "bounded number at a time).", s.batch_waiting)
         yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", s.kv_usage)
         yield gauge("kv_cache_blocks_used", "KV blocks referenced by live sequences.", s.kv_blocks_used)
         yield gauge("kv_cache_blocks_total", "KV blocks in the pool.", s.kv_blocks_total)

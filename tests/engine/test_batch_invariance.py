@@ -21,7 +21,7 @@ import torch
 
 from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.request import make_request
+from conveyor.request import Tier, make_request
 from conveyor.runner import model_runner
 from conveyor.sampling_params import SamplingParams
 from tests.conftest import build_tiny_llama
@@ -64,12 +64,13 @@ def probe_params(rid: str, sampled: bool) -> SamplingParams:
 
 
 def run(eng: LLMEngine, probes: dict, crowd: dict, sampled: bool, top1: dict, mixed: bool = False,
-        ) -> dict[str, list[int]]:
+        probe_tier: Tier = Tier.INTERACTIVE) -> dict[str, list[int]]:
     """Queue the crowd with the probes spread through it, run to the end; {request id: tokens}.
 
     `mixed`: the probes come first at the lowest priority, and 12 steps later the crowd, from 4
     tenants with priorities 0-1 and TTFT targets: the strategies that reorder and preempt by those
-    preempt the probes mid-generation."""
+    preempt the probes mid-generation. `probe_tier`: the probes' tier (batch lines: the crowd takes their seats
+    and blocks back whatever the strategy)."""
     out: dict[str, list[int]] = defaultdict(list)
     top1.clear()
 
@@ -86,7 +87,7 @@ def run(eng: LLMEngine, probes: dict, crowd: dict, sampled: bool, top1: dict, mi
     for rid in order:
         if rid in probes:
             eng.add_request(make_request(probes[rid], probe_params(rid, sampled), request_id=rid,
-                                         priority=2 if mixed else 0))
+                                         priority=2 if mixed else 0, tier=probe_tier))
             continue
         if mixed and rid == "crowd0":
             for _ in range(12):  # every probe is running (and decoding) when the crowd comes
@@ -174,6 +175,17 @@ def test_greedy_probes_unchanged_under_sharing_strategies(model_dir, workload, r
     got = run(eng, probes, crowd, False, top1, mixed=True)
     if scheduler == "priority":
         assert eng.scheduler.num_preemptions >= PROBES, "the crowd was meant to preempt the probes"
+    check(reference, False, got, top1)
+
+
+@pytest.mark.parametrize("scheduler", ["iteration", "fair"])
+def test_batch_lines_taken_back_for_interactive_work_are_unchanged(model_dir, workload, reference, top1, scheduler):
+    """The probes run as batch lines; 12 steps in, the crowd of interactive requests takes their seats and blocks
+    back (recompute preemption) and the probes resume from their cached prefix: the same tokens and logits."""
+    probes, crowd = workload
+    eng = engine(model_dir, scheduler=scheduler, max_num_batched_tokens=64, max_num_seqs=16, batch_tier_slowdown=0)
+    got = run(eng, probes, crowd, False, top1, mixed=True, probe_tier=Tier.BATCH)
+    assert eng.scheduler.num_preemptions >= PROBES, "the crowd was meant to take the probes' seats"
     check(reference, False, got, top1)
 
 

@@ -141,6 +141,10 @@ def run_server(config: EngineConfig, args: ServerArgs | None = None) -> Iterator
     args = dataclasses.replace(args or ServerArgs(), engine_loop="thread")
     if args.responses_dir is None:
         args = dataclasses.replace(args, responses_dir=tempfile.mkdtemp(prefix="conveyor-responses-"))
+    batch_tmp = None
+    if args.batch_dir is None:  # a test server never opens the user's own batch store (~/.local/share)
+        batch_tmp = tempfile.TemporaryDirectory(prefix="conveyor-batches-")
+        args = dataclasses.replace(args, batch_dir=batch_tmp.name)
     app = build_app(config, args)
     sock = free_socket()
     port = sock.getsockname()[1]
@@ -158,6 +162,8 @@ def run_server(config: EngineConfig, args: ServerArgs | None = None) -> Iterator
         uv.should_exit = True
         thread.join(15)
         sock.close()
+        if batch_tmp is not None:
+            batch_tmp.cleanup()
 
 
 @contextlib.contextmanager
