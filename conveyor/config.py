@@ -9,7 +9,12 @@ from dataclasses import dataclass, fields
 # them, the CLI offers them (conveyor/engine/args.py), and the model and runner read their names from here.
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
-QUANTIZATIONS = ("int8", "int4")  # weight-only (conveyor/model/quantization.py)
+# int8 / int4: weight-only (conveyor/model/quantization.py). int8_per_channel: W8A8, int8 weights per channel and
+# int8 activations per token (conveyor/model/w8a8.py; vLLM's shorthand style, as its fp8_per_channel); w8a8_int8:
+# SGLang's name for the same, accepted and read as int8_per_channel (QUANTIZATION_ALIASES)
+W8A8_QUANTIZATION = "int8_per_channel"
+QUANTIZATION_ALIASES = {"w8a8_int8": W8A8_QUANTIZATION}
+QUANTIZATIONS = ("int8", "int4", W8A8_QUANTIZATION, *QUANTIZATION_ALIASES)
 KV_CACHE_DTYPES = ("auto", "int8")
 ATTENTION_BACKENDS = ("auto", "kernel", "torch")  # conveyor/model/attention.py
 CHOICES: dict[str, tuple[str, ...]] = {"dtype": DTYPES, "device": DEVICES, "quantization": QUANTIZATIONS,
@@ -93,6 +98,7 @@ class EngineConfig:
         # `scheduler` names a policy of conveyor/scheduler/policies.py, which checks it (`check_scheduler`):
         # this module sits below the scheduler package, which imports it
         defaults = {f.name: f.default for f in fields(self)}
+        self.quantization = QUANTIZATION_ALIASES.get(self.quantization, self.quantization)
         for name, choices in CHOICES.items():
             check_choice(name, getattr(self, name), choices, optional=defaults[name] is None)
         if self.batch_size < 1:
@@ -107,6 +113,10 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {self.max_loras}, {self.max_lora_rank}")
+        if self.enable_lora and self.quantization == W8A8_QUANTIZATION:
+            raise ValueError(f"enable_lora with quantization {W8A8_QUANTIZATION} is not supported: W8A8 rotates the "
+                             "model's residual stream at load (conveyor/model/w8a8.py), which adapters trained on "
+                             "the original weights do not fit")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

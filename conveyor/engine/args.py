@@ -72,8 +72,10 @@ def engine_flags() -> list[EngineFlag]:
         EngineFlag("dtype", "engine", "weights and activations dtype; auto: bf16 where the CPU has fast bf16 "
                    "(AVX512-BF16, AMX, or AVX2 with our bf16 kernel) or CUDA"),
         EngineFlag("device", "engine", "auto: CUDA when torch sees one, else CPU"),
-        EngineFlag("quantization", "engine", "weight-only quantization (CPU): int8 per channel, int4 in groups of "
-                   "32; a GGUF's Q4_0/Q4_1 weights are kept as shipped with int4 (default: none)",
+        EngineFlag("quantization", "engine", "quantization (CPU): int8 / int4 are weight-only (int8 per channel, int4 "
+                   "in groups of 32; a GGUF's Q4_0/Q4_1 weights are kept as shipped with int4); int8_per_channel "
+                   "(alias w8a8_int8) is W8A8: int8 weights per channel and activations quantized to int8 per token, "
+                   "int8 dot products, for compute-bound steps (default: none)",
                    flags=("--quantization", "-q")),
         EngineFlag("seed", "engine", "seeds the generator that sampled requests without their own seed draw from",
                    type=int),

@@ -22,8 +22,9 @@ import psutil
 import torch
 
 from conveyor import startup
-from conveyor.config import DTYPES, EngineConfig
+from conveyor.config import DTYPES, W8A8_QUANTIZATION, EngineConfig
 from conveyor.kernels.variants import cpu_info
+from conveyor.model import w8a8
 from conveyor.model.attention import KV_SCALE_DTYPE, build_metadata, cache_shapes, choose_backend, scale_shape
 from conveyor.model.llama import LlamaModel, ModelConfig, rope_inv_freq
 from conveyor.model.packed_linear import PackedLinear, available_kernels, pack_linears, packing_available
@@ -109,17 +110,24 @@ class ModelRunner:
             why = quantization_available(self.device, self.dtype)
             if why is not None:
                 raise ValueError(f"--quantization {config.quantization} is not available: {why}")
-            counts = quantize_model(self.model, config.quantization, self.dtype, prequantized)
-            threshold = tune_dense_threshold(self.model, config.max_num_batched_tokens)
-            log.info("weights: %s (%d linear layers, %d kept as the checkpoint ships them); %s",
-                     config.quantization, counts["quantized"], counts["from_checkpoint"], dense_rows_note(threshold))
+            if config.quantization == W8A8_QUANTIZATION:
+                n = w8a8.quantize_model(self.model, self.dtype)
+                log.info("weights: %s (W8A8: %d linear layers in int8%s, activations quantized per token on %s; "
+                         "residual stream rotated at load)", config.quantization, n,
+                         "" if w8a8.QUANTIZE_HEAD else ", the LM head in " + str(self.dtype), w8a8.kernel_isa())
+            else:
+                counts = quantize_model(self.model, config.quantization, self.dtype, prequantized)
+                threshold = tune_dense_threshold(self.model, config.max_num_batched_tokens)
+                log.info("weights: %s (%d linear layers, %d kept as the checkpoint ships them); %s",
+                         config.quantization, counts["quantized"], counts["from_checkpoint"],
+                         dense_rows_note(threshold))
         self.packed_linears = 0
         if config.packed_linear and packing_available(self.device, self.dtype):
             self.packed_linears = pack_linears(self.model)
         # every op on the compiled CPU path gives a token a result that depends only on its own request
         # (tests/engine/test_batch_invariance.py); the torch reference path (CUDA, no compiler) does not
-        linears = [m for m in self.model.modules() if isinstance(m, (PackedLinear, QuantizedLinear))]
-        self.quantized_linears = sum(1 for m in linears if isinstance(m, QuantizedLinear))
+        linears = [m for m in self.model.modules() if isinstance(m, (PackedLinear, QuantizedLinear, w8a8.W8A8Linear))]
+        self.quantized_linears = sum(1 for m in linears if isinstance(m, (QuantizedLinear, w8a8.W8A8Linear)))
         self.batch_invariant = (self.attention_backend == "kernel" and bool(linears)
                                 and all(m.batch_invariant for m in linears))
         self.lora = None  # LoRAManager when adapters are enabled (conveyor/lora)
@@ -395,7 +403,8 @@ class ModelRunner:
             self.lora.clear_batch()
         prompt_lps = (self._prompt_logprobs(items, query_lens, hidden)
                       if any(it.request.prompt_logprobs is not None for it in items) else {})
-        pooled = pool_step(items, query_lens, hidden) if any(it.request.pooling for it in items) else []
+        pooled = (pool_step(items, query_lens, self.model.unrotate_hidden(hidden))
+                  if any(it.request.pooling for it in items) else [])
         t2 = time.perf_counter()
         rows, reqs, positions, end = [], [], [], 0
         for it, q in zip(items, query_lens):
