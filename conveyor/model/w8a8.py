@@ -153,13 +153,17 @@ class W8A8Linear(nn.Module):
         self.hadamard = hadamard
         if hadamard:
             weight = fwht(weight.detach().double(), hadamard) / hadamard  # in fp64; the division is by a power of 2
-        self.q, self.sw = quantize_weight(weight)  # q is kept for the reference (and tests): N x K bytes
-        self.bias = None if bias is None else bias.detach().to(dtype)
+        q, sw = quantize_weight(weight)
         # the kernel takes 16 output columns at a time; other widths (none in the Llama family) run the reference
         self.kernel = kernel_available(dtype) and self.out_features % 16 == 0
-        self.packed, self.comp = pack_weight(self.q) if self.kernel else (None, None)
-        if self.kernel:
-            self.q = None  # the packed copy holds the same bytes; `reference` unpacks them when asked
+        packed, comp = pack_weight(q) if self.kernel else (None, None)
+        # buffers, so that the engine's weight bytes count them; q only where the reference runs (the packed copy
+        # holds the same bytes: `weight_q` unpacks them when asked)
+        self.register_buffer("q", None if self.kernel else q, persistent=False)
+        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("comp", comp, persistent=False)
+        self.register_buffer("sw", sw, persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype), persistent=False)
         self._op = kernels.load().linear_w8a8 if self.kernel else None
 
     def weight_q(self) -> torch.Tensor:

@@ -61,6 +61,34 @@ constexpr float kMinAbsMax = 1e-30f;  // a row of zeros (or nearly) quantizes to
 
 inline int64_t padded_k(int64_t k) { return (k + 3) / 4 * 4; }
 
+// The stages across vectors, h = h0, 2 h0, ..., b/2 (h0 the vector width): two at a time where two are left (four
+// vectors loaded, both stages, four stored: the same pairs and operations as one stage after the other).
+template <typename V, typename Load, typename Store, typename Add, typename Sub>
+inline void fwht_across(float* x, int64_t k, int64_t b, int64_t h0, Load load, Store store, Add add, Sub sub) {
+  int64_t h = h0;
+  int stages = 0;
+  for (int64_t t = h0; t < b; t *= 2) ++stages;
+  if (stages % 2) {
+    for (int64_t i = 0; i < k; i += 2 * h)
+      for (int64_t j = i; j < i + h; j += h0) {
+        const V a = load(x + j), c = load(x + j + h);
+        store(x + j, add(a, c));
+        store(x + j + h, sub(a, c));
+      }
+    h *= 2;
+  }
+  for (; h < b; h *= 4)
+    for (int64_t i = 0; i < k; i += 4 * h)
+      for (int64_t j = i; j < i + h; j += h0) {
+        const V v0 = load(x + j), v1 = load(x + j + h), v2 = load(x + j + 2 * h), v3 = load(x + j + 3 * h);
+        const V a0 = add(v0, v1), a1 = sub(v0, v1), a2 = add(v2, v3), a3 = sub(v2, v3);  // stage h
+        store(x + j, add(a0, a2));  // stage 2h
+        store(x + j + 2 * h, sub(a0, a2));
+        store(x + j + h, add(a1, a3));
+        store(x + j + 3 * h, sub(a1, a3));
+      }
+}
+
 // Bytes of scratch, 64-byte aligned (operator new[] of a struct with alignas(64) would do too; this is plainer).
 struct Scratch {
   std::unique_ptr<uint8_t[]> raw;
@@ -115,36 +143,27 @@ float quantize_row(DType dt, const void* x, int64_t k, int64_t kp, uint8_t* out,
   return amax / 127.0f;
 }
 
-// In place, every block of b floats of x [k] (b a power of two >= 16, k % b == 0): the unnormalized Walsh-Hadamard
-// transform, as stages h = 1, 2, 4, ..., b/2, each turning every pair (x[i], x[i + h]) (bit h of i clear) into
-// (x[i] + x[i + h], x[i] - x[i + h]) in fp32: w8a8.py's fwht does the same operations in the same order.
-void fwht(float* x, int64_t k, int64_t b) {
+// Every block of b values of row x [k] (fp32 or bf16), into out [k] fp32 (b a power of two >= 16, k % b == 0): the
+// unnormalized Walsh-Hadamard transform, as stages h = 1, 2, 4, ..., b/2, each turning every pair
+// (x[i], x[i + h]) (bit h of i clear) into (x[i] + x[i + h], x[i] - x[i + h]) in fp32: w8a8.py's fwht does the
+// same operations on the same pairs, so the same bits.
+void fwht(DType dt, const void* x, int64_t k, int64_t b, float* out) {
   const __m512i p1 = _mm512_setr_epi32(1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
   const __m512i p2 = _mm512_setr_epi32(2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
   const __m512i p4 = _mm512_setr_epi32(4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
   const __m512i p8 = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
   for (int64_t i = 0; i < k; i += 16) {  // stages 1..8, inside each vector: lanes with bit h set take t - v
-    __m512 v = _mm512_loadu_ps(x + i), t;
+    __m512 v = load16(dt, x, i, 0xFFFF), t;
     t = _mm512_permutexvar_ps(p1, v), v = _mm512_mask_sub_ps(_mm512_add_ps(v, t), 0xAAAA, t, v);
     t = _mm512_permutexvar_ps(p2, v), v = _mm512_mask_sub_ps(_mm512_add_ps(v, t), 0xCCCC, t, v);
     t = _mm512_permutexvar_ps(p4, v), v = _mm512_mask_sub_ps(_mm512_add_ps(v, t), 0xF0F0, t, v);
     t = _mm512_permutexvar_ps(p8, v), v = _mm512_mask_sub_ps(_mm512_add_ps(v, t), 0xFF00, t, v);
-    _mm512_storeu_ps(x + i, v);
+    _mm512_storeu_ps(out + i, v);
   }
-  for (int64_t h = 16; h < b; h *= 2)  // stages 16..b/2, across vectors
-    for (int64_t i = 0; i < k; i += 2 * h)
-      for (int64_t j = i; j < i + h; j += 16) {
-        const __m512 a = _mm512_loadu_ps(x + j), c = _mm512_loadu_ps(x + j + h);
-        _mm512_storeu_ps(x + j, _mm512_add_ps(a, c));
-        _mm512_storeu_ps(x + j + h, _mm512_sub_ps(a, c));
-      }
-}
-
-inline void widen(DType dt, const void* x, int64_t k, float* out) {
-  for (int64_t i = 0; i < k; i += 16) {
-    const __mmask16 m = tail_mask(k - i);
-    _mm512_mask_storeu_ps(out + i, m, load16(dt, x, i, m));
-  }
+  fwht_across<__m512>(out, k, b, 16, [](const float* p) { return _mm512_loadu_ps(p); },
+                      [](float* p, __m512 v) { _mm512_storeu_ps(p, v); },
+                      [](__m512 a, __m512 c) { return _mm512_add_ps(a, c); },
+                      [](__m512 a, __m512 c) { return _mm512_sub_ps(a, c); });
 }
 
 // fp32 -> bf16, round to nearest even, NaN -> 0x7FC0: c10::BFloat16's rounding (vcvtneps2bf16 would flush
@@ -305,27 +324,18 @@ float quantize_row(DType dt, const void* x, int64_t k, int64_t kp, uint8_t* out,
 }
 
 // The VNNI build's fwht on 8-lane vectors (b a power of two >= 16, k % b == 0): the same pairs, the same operations.
-void fwht(float* x, int64_t k, int64_t b) {
+void fwht(DType dt, const void* x, int64_t k, int64_t b, float* out) {
   for (int64_t i = 0; i < k; i += 8) {  // stages 1, 2, 4 inside each vector: lanes with bit h set take t - v
-    __m256 v = _mm256_loadu_ps(x + i), t;
+    __m256 v = load8(dt, x, i), t;
     t = _mm256_permute_ps(v, 0xB1), v = _mm256_blend_ps(_mm256_add_ps(v, t), _mm256_sub_ps(t, v), 0xAA);
     t = _mm256_permute_ps(v, 0x4E), v = _mm256_blend_ps(_mm256_add_ps(v, t), _mm256_sub_ps(t, v), 0xCC);
     t = _mm256_permute2f128_ps(v, v, 0x01), v = _mm256_blend_ps(_mm256_add_ps(v, t), _mm256_sub_ps(t, v), 0xF0);
-    _mm256_storeu_ps(x + i, v);
+    _mm256_storeu_ps(out + i, v);
   }
-  for (int64_t h = 8; h < b; h *= 2)
-    for (int64_t i = 0; i < k; i += 2 * h)
-      for (int64_t j = i; j < i + h; j += 8) {
-        const __m256 a = _mm256_loadu_ps(x + j), c = _mm256_loadu_ps(x + j + h);
-        _mm256_storeu_ps(x + j, _mm256_add_ps(a, c));
-        _mm256_storeu_ps(x + j + h, _mm256_sub_ps(a, c));
-      }
-}
-
-inline void widen(DType dt, const void* x, int64_t k, float* out) {
-  int64_t i = 0;
-  for (; i + 8 <= k; i += 8) _mm256_storeu_ps(out + i, load8(dt, x, i));
-  for (; i < k; ++i) out[i] = load1(dt, x, i);
+  fwht_across<__m256>(out, k, b, 8, [](const float* p) { return _mm256_loadu_ps(p); },
+                      [](float* p, __m256 v) { _mm256_storeu_ps(p, v); },
+                      [](__m256 a, __m256 c) { return _mm256_add_ps(a, c); },
+                      [](__m256 a, __m256 c) { return _mm256_sub_ps(a, c); });
 }
 
 // 8 fp32 -> 8 bf16 as torch rounds them (round to nearest even; NaN -> 0x7FC0).
@@ -415,8 +425,7 @@ void quantize_rows(DType dt, const void* x, int64_t k, int64_t kp, int64_t had, 
   for (int64_t r = r0; r < r1; ++r) {
     const void* row = static_cast<const char*>(x) + r * k * es;
     if (had > 0) {
-      widen(dt, row, k, buf.get());
-      fwht(buf.get(), k, had);
+      fwht(dt, row, k, had, buf.get());
       scale[r] = quantize_row(DType::F32, buf.get(), k, kp, out + r * kp, offset);
     } else {
       scale[r] = quantize_row(dt, row, k, kp, out + r * kp, offset);
