@@ -78,7 +78,7 @@ def w8a8_gemms(models: list[str], rows: list[int], rounds: int) -> None:
                 lin = lin.to(torch.bfloat16)
                 runs = {"bf16": packed_linear.PackedLinear(lin),
                         "w8a8": w8a8.W8A8Linear(lin.weight, None, torch.bfloat16,
-                                                w8a8.hadamard_block(k) if name == "down" else 0)}
+                                                w8a8.hadamard_block(k))}
                 del lin
                 x = torch.randn(m, k, generator=g).to(torch.bfloat16)
                 flop = 2 * m * k * n

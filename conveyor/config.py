@@ -113,10 +113,6 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {self.max_loras}, {self.max_lora_rank}")
-        if self.enable_lora and self.quantization == W8A8_QUANTIZATION:
-            raise ValueError(f"enable_lora with quantization {W8A8_QUANTIZATION} is not supported: W8A8 rotates the "
-                             "model's residual stream at load (conveyor/model/w8a8.py), which adapters trained on "
-                             "the original weights do not fit")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

@@ -207,9 +207,6 @@ class LlamaModel(nn.Module):
         # fuse_body(): (linear op, layer weights, each layer's qkv bias or none, W8A8's Hadamard block per linear)
         self.fused_body: tuple[str, list[torch.Tensor], list[torch.Tensor], list[int]] | None = None
         self.fused_max_rows: int | None = None  # larger steps run the loop (quantized layers' dense copies)
-        # W8A8 rotates the residual stream at load (w8a8.quantize_model): (Q^T, the final norm's weight) turn the
-        # hidden states back; None: not rotated
-        self.w8a8_unrotate: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(
         self,
@@ -307,14 +304,6 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
-
-    def unrotate_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`forward`'s hidden states in the checkpoint's own basis (what pooled embeddings are made of): under
-        W8A8 they come out of the body rotated and without the final norm's weight, folded into the LM head."""
-        if self.w8a8_unrotate is None:
-            return hidden
-        qt, gamma = self.w8a8_unrotate
-        return ((hidden.float() @ qt) * gamma).to(hidden.dtype)
 
     def fuse_quantized(self, quantized: dict) -> dict:
         """Map a checkpoint's quantized weights (HF names -> QuantizedWeight) onto this model's linear

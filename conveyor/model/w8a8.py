@@ -13,8 +13,10 @@ is the same shape in int8), and a `_weight_only` suffix marking weight-only; `w8
 this scheme) is accepted too (`conveyor.config.QUANTIZATION_ALIASES`).
 
 Numerics, one definition for the compiled kernel (kernels/csrc/linear_w8a8.cpp) and the reference here:
-- weights: symmetric per output channel, `sw = max|w| / 127` (fp32, not rounded further), q in [-127, 127];
-- activations: symmetric per row, `a = max|x|` (at least 1e-30), `xq = round_half_even(x * (127 / a))`,
+- a block Walsh-Hadamard transform H (blocks of `hadamard_block(K)` inputs) on both sides, which leaves x W^T
+  as it is (H H = b I) and spreads outliers (quantize_model says why): W' = W H / b, x' = x H in fp32;
+- weights: symmetric per output channel, `sw = max|w'| / 127` (fp32, not rounded further), q in [-127, 127];
+- activations: symmetric per row, `a = max|x'|` (at least 1e-30), `xq = round_half_even(x' * (127 / a))`,
   `sx = a / 127`; a row with a NaN or an infinity gets `sx = NaN` and `xq = 0` (its outputs are NaN);
 - `y = float(sum_k xq * q) * (sx * sw)`, one rounding to the output dtype.
 Symmetric rather than asymmetric activations: the inputs of a Llama layer's linears (RMSNorm's output,
@@ -194,100 +196,32 @@ class W8A8Linear(nn.Module):
     batch_invariant = True  # exact integer sums and per-row quantization, kernel and reference alike
 
 
-def residual_rotation(n: int, seed: int = 0) -> torch.Tensor:
-    """An orthogonal [n, n] matrix that mixes every coordinate into all others, fp64: (R_m kron H_p) D with
-    n = p m, p the largest power of two dividing n, H_p the normalized Hadamard matrix, R_m a random orthogonal
-    m x m matrix (QR of a seeded Gaussian; m is small: 9 for SmolLM2's 576, 1 for 2048, 3 for 3072) and D
-    random signs. Every entry is O(1/sqrt(n)): no coordinate of x Q is made of a few of x's."""
-    p = n & -n
-    m = n // p
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < p:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    g = torch.Generator().manual_seed(seed)
-    r, tri = torch.linalg.qr(torch.randn(m, m, generator=g, dtype=torch.float64))
-    r = r * torch.sign(torch.diagonal(tri))[None, :]
-    signs = torch.randint(0, 2, (n,), generator=g).double() * 2 - 1
-    return torch.kron(r.contiguous(), h / p ** 0.5) * signs[None, :]
-
-
-def _chunks(rows: int, step: int = 4096):
-    return [(r, min(rows, r + step)) for r in range(0, rows, step)]
-
-
-@torch.no_grad()
-def _rotated(w: torch.Tensor, q: torch.Tensor, gamma: torch.Tensor | None = None, side: str = "in") -> torch.Tensor:
-    """fp32 `(w diag(gamma)) Q` (side "in": a reader of the residual stream) or `Q^T w` ("out": a writer), computed
-    in slices of rows (an LM head's fp32 copy would be ~1 GB at 1B)."""
-    qf = q.float()
-    if side == "out":
-        wf = w.float()
-        return torch.cat([qf[:, a:b].t() @ wf for a, b in _chunks(w.shape[0])])
-    out = torch.empty(w.shape, dtype=torch.float32)
-    for a, b in _chunks(w.shape[0]):
-        part = w[a:b].float()
-        out[a:b] = (part if gamma is None else part * gamma.float()[None, :]) @ qf
-    return out
-
-
-# W8A8 everywhere, the LM head included: measured on SmolLM2 (docs/quantization.md, "W8A8"), an int8 head over the
-# rotated stream costs no measurable perplexity, and at 64 users the head is a fifth of the step's multiply-adds
+# W8A8 everywhere, the LM head included: measured on SmolLM2 (docs/quantization.md, "W8A8"), an int8 head costs
+# <0.1% perplexity, and at 64 users the head is a fifth of a step's multiply-adds
 QUANTIZE_HEAD = True
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module, dtype: torch.dtype, make=None) -> int:
-    """Turn a LlamaModel's linears into W8A8Linears (returns how many), after rotating its residual stream.
-    `make(weight fp32, bias, dtype, hadamard)` builds each linear instead (tests: float linears, to check that
-    the rotation alone leaves the model's function as it is).
+def quantize_model(model: nn.Module, dtype: torch.dtype) -> int:
+    """Replace every nn.Linear of `model` (the LM head too, if QUANTIZE_HEAD) by a W8A8Linear with the Hadamard
+    block of its input width; returns how many.
 
-    Why the rotation: per-token int8 rounds every value of a row to the row's largest, and the residual stream of
-    these models has a few channels far larger than the rest (RMSNorm's weights scale them further), so the
-    inputs of q/k/v, gate/up and the LM head lose most of their bits: measured on SmolLM2, W8A8 as it is cost
-    +4.1% perplexity, +1.7 points of it q/k/v's. An orthogonal Q (residual_rotation) leaves the model's function
-    as it is (computational invariance, as QuaRot and SpinQuant use it) but spreads those channels over all:
-    the embeddings become E Q; every reader of the stream W diag(gamma) Q with its RMSNorm's gamma folded in (an
-    RMSNorm of x Q is the RMSNorm of x times Q: the norm of a vector does not change under Q), the norms' weights
-    ones; every writer (o_proj, down_proj) Q^T W; the final norm's gamma goes into the LM head (untied from the
-    embeddings). All of it at load, in fp32, so the int8 weights are rounded once, from the rotated values.
-    down_proj's input (SiLU(gate) * up) cannot be rotated ahead of time, so its kernel applies a block Hadamard
-    transform to each row before quantizing it (W8A8Linear's `hadamard`). Together: +0.3% on SmolLM2.
-
-    The hidden states leave the body rotated: `model.w8a8_unrotate` (Q^T and the final gamma) turns them back
-    where they are read as such (pooled embeddings, LlamaModel.unrotate_hidden)."""
-    make = make or W8A8Linear
-    layers = model.layers
-    hidden = model.embed_tokens.weight.shape[1]
-    q = residual_rotation(hidden)
-    emb = model.embed_tokens.weight
-    rot_emb = torch.empty(emb.shape, dtype=emb.dtype)
-    for a, b in _chunks(emb.shape[0]):
-        rot_emb[a:b] = (emb[a:b].float() @ q.float()).to(emb.dtype)
-    head_w, gamma_f = model.lm_head.weight, model.norm.weight.detach().float().clone()
-    model.embed_tokens.weight = nn.Parameter(rot_emb, requires_grad=False)  # untied from the head
+    Why the Hadamard transform on every input: per-token int8 rounds every value of a row to a step of the row's
+    largest value / 127, and these models' activations have a few channels far larger than the rest (the
+    residual stream's outliers, which RMSNorm's weights scale further; the massive values of SiLU(gate) * up),
+    so most values of a row keep few bits. Measured on SmolLM2-135M: W8A8 as it is cost +4.1% perplexity
+    (q/k/v +1.7 points, down_proj +1.5). An orthogonal transform of the input, undone in the weights, leaves
+    x W^T as it is but spreads each outlier over its block (QuaRot's idea, calibration-free); a block
+    Walsh-Hadamard costs log2(block) additions per value. Every linear on its own: +0.5-0.7% on two texts.
+    (A rotation of the whole residual stream folded into the weights at load, with a transform on down_proj's
+    input only, measured +0.6-0.9%: rounding the rotated stream to bf16 costs precision by itself, and it
+    would have untied the head, turned pooled embeddings and broken LoRA adapters.)"""
     count = 0
-    for layer in layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        g1, g2 = layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()
-
-        def out_bias(lin: nn.Linear) -> torch.Tensor | None:
-            return None if lin.bias is None else (lin.bias.detach().float() @ q.float()).to(dtype)
-
-        attn.qkv_proj = make(_rotated(attn.qkv_proj.weight, q, g1), attn.qkv_proj.bias, dtype, 0)
-        attn.o_proj = make(_rotated(attn.o_proj.weight, q, side="out"), out_bias(attn.o_proj), dtype, 0)
-        mlp.gate_up_proj = make(_rotated(mlp.gate_up_proj.weight, q, g2), mlp.gate_up_proj.bias, dtype, 0)
-        mlp.down_proj = make(_rotated(mlp.down_proj.weight, q, side="out"), out_bias(mlp.down_proj), dtype,
-                             hadamard_block(mlp.down_proj.in_features))
-        layer.input_layernorm.weight.fill_(1.0)
-        layer.post_attention_layernorm.weight.fill_(1.0)
-        count += 4
-    head = _rotated(head_w, q, gamma_f)
-    if QUANTIZE_HEAD:
-        model.lm_head = make(head, None, dtype, 0)
+    for name, lin in [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]:
+        if name == "lm_head" and not QUANTIZE_HEAD:
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, W8A8Linear(lin.weight, lin.bias, dtype, hadamard_block(lin.in_features)))
         count += 1
-    else:
-        model.lm_head = nn.Linear(hidden, head.shape[0], bias=False)
-        model.lm_head.weight = nn.Parameter(head.to(dtype), requires_grad=False)
-    model.norm.weight.fill_(1.0)
-    model.w8a8_unrotate = (q.t().float().contiguous(), gamma_f)
     return count

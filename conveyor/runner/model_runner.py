@@ -112,8 +112,8 @@ class ModelRunner:
                 raise ValueError(f"--quantization {config.quantization} is not available: {why}")
             if config.quantization == W8A8_QUANTIZATION:
                 n = w8a8.quantize_model(self.model, self.dtype)
-                log.info("weights: %s (W8A8: %d linear layers in int8%s, activations quantized per token on %s; "
-                         "residual stream rotated at load)", config.quantization, n,
+                log.info("weights: %s (W8A8: %d linear layers in int8%s, activations quantized per token after a "
+                         "block Hadamard transform, on %s)", config.quantization, n,
                          "" if w8a8.QUANTIZE_HEAD else ", the LM head in " + str(self.dtype), w8a8.kernel_isa())
             else:
                 counts = quantize_model(self.model, config.quantization, self.dtype, prequantized)
@@ -403,8 +403,7 @@ class ModelRunner:
             self.lora.clear_batch()
         prompt_lps = (self._prompt_logprobs(items, query_lens, hidden)
                       if any(it.request.prompt_logprobs is not None for it in items) else {})
-        pooled = (pool_step(items, query_lens, self.model.unrotate_hidden(hidden))
-                  if any(it.request.pooling for it in items) else [])
+        pooled = pool_step(items, query_lens, hidden) if any(it.request.pooling for it in items) else []
         t2 = time.perf_counter()
         rows, reqs, positions, end = [], [], [], 0
         for it, q in zip(items, query_lens):
