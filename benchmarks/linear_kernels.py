@@ -1,6 +1,15 @@
-"""oneDNN against our AVX-512 BF16 linear kernel, inside the engine: decode steps of SmolLM2 in bf16.
+"""oneDNN against our AVX-512 BF16 linear kernel, inside the engine: decode steps of SmolLM2 in bf16. And
+(`--w8a8`) the W8A8 int8 GEMM against the bf16 linear the engine runs, layer by layer.
 
     python benchmarks/linear_kernels.py [--running 1,64] [--context 280] [--rounds 6]
+    python benchmarks/linear_kernels.py --w8a8 [--rows 64,2048,4096] [--models smollm2,llama-1b] [--rounds 7]
+
+`--w8a8`: each linear of a decoder layer (q/k/v, o, gate/up, down) and the LM head, in SmolLM2-135M's and
+Llama-3.2-1B's shapes, as the engine builds them: `PackedLinear` (the bf16 kernel `linear_kernel()` picks on
+this machine) against `W8A8Linear` (down_proj with its Hadamard block), random weights, bf16 activations, at
+each row count (the head at decode row counts only: prefill computes logits for one row per prompt). A and
+B alternate in `--rounds` rounds (a few ms of calls each); the median time of each gives GFLOP/s (2 M N K per
+call, the int8 multiply-adds counted like the bf16 ones) and the ratio; "layer" sums the four linears' medians.
 
 `--matrices`: the GGUF block-weight kernels (linear_gguf.cpp) against the bf16 path, on the matrices of one layer
 of Llama-3.2-1B and Llama-3.1-8B (q/k/v and gate/up fused as the engine runs them, o, down) and on their LM head
@@ -157,22 +166,92 @@ def matrices(args) -> None:
             json.dump(results, fh, indent=1)
 
 
+# (in, out) of a decoder layer's linears and the LM head: SmolLM2-135M (hidden 576, 9 heads / 3 KV heads x 64,
+# intermediate 1536, vocab 49152) and Llama-3.2-1B (hidden 2048, 32 / 8 x 64, intermediate 8192, vocab 128256)
+W8A8_SHAPES = {
+    "smollm2": {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576), "head": (576, 49152)},
+    "llama-1b": {"qkv": (2048, 3072), "o": (2048, 2048), "gate_up": (2048, 16384), "down": (8192, 2048),
+                 "head": (2048, 128256)},
+}
+HEAD_MAX_ROWS = 256
+
+
+def w8a8_gemms(models: list[str], rows: list[int], rounds: int) -> None:
+    from torch import nn
+
+    from conveyor.kernels.variants import cpu_name
+    from conveyor.model import packed_linear, w8a8
+
+    print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads; bf16 linears: {packed_linear.linear_kernel()}, "
+          f"W8A8 on {w8a8.kernel_isa()}. Timed on whatever else runs on this machine: read the ratios.")
+    g = torch.Generator().manual_seed(0)
+    for model in models:
+        layer = {"bf16": {}, "w8a8": {}}
+        for m in rows:
+            for name, (k, n) in W8A8_SHAPES[model].items():
+                if name == "head" and m > HEAD_MAX_ROWS:
+                    continue
+                lin = nn.Linear(k, n, bias=False)
+                with torch.no_grad():
+                    lin.weight.copy_(torch.randn(n, k, generator=g) * k ** -0.5)
+                lin = lin.to(torch.bfloat16)
+                runs = {"bf16": packed_linear.PackedLinear(lin),
+                        "w8a8": w8a8.W8A8Linear(lin.weight, None, torch.bfloat16,
+                                                w8a8.hadamard_block(k))}
+                del lin
+                x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+                flop = 2 * m * k * n
+                calls = max(1, int(3e9 / flop))  # ~ a few ms of work per sample
+                times: dict[str, list[float]] = {a: [] for a in runs}
+                with torch.inference_mode():
+                    for f in runs.values():
+                        f(x)
+                    for _ in range(rounds):
+                        for a, f in runs.items():
+                            t0 = time.perf_counter()
+                            for _ in range(calls):
+                                f(x)
+                            times[a].append((time.perf_counter() - t0) / calls)
+                med = {a: statistics.median(ts) for a, ts in times.items()}
+                per_round = sorted(b / a for a, b in zip(times["w8a8"], times["bf16"]))
+                if name != "head":
+                    for a in med:
+                        layer[a][m] = layer[a].get(m, 0.0) + med[a]
+                print(f"{model:9s} {name:8s} M={m:<5d} K={k:<5d} N={n:<6d} bf16 {flop / med['bf16'] / 1e9:7.1f} "
+                      f"GFLOP/s  w8a8 {flop / med['w8a8'] / 1e9:7.1f} GOP/s  ratio {med['bf16'] / med['w8a8']:.2f}x "
+                      f"(rounds {per_round[0]:.2f}-{per_round[-1]:.2f})", flush=True)
+                del runs
+        for m in rows:
+            print(f"{model:9s} layer    M={m:<5d} four linears: bf16 {layer['bf16'][m] * 1e3:.2f} ms, "
+                  f"w8a8 {layer['w8a8'][m] * 1e3:.2f} ms: {layer['bf16'][m] / layer['w8a8'][m]:.2f}x", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--matrices", action="store_true", help="GGUF block-weight kernels against bf16, per matrix")
     ap.add_argument("--shapes", default="1b,8b")
     ap.add_argument("--formats", default="bf16,Q8_0,Q4_0,Q4_K,Q5_K,Q6_K")
-    ap.add_argument("--rows", default="1,16")
+    ap.add_argument("--rows", default=None, help="rows per call (default: 1,16 with --matrices; 64,2048,4096 with "
+                    "--w8a8)")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--w8a8", action="store_true", help="the W8A8 GEMM against the bf16 linear, layer by layer")
+    ap.add_argument("--models", default="smollm2,llama-1b", help="--w8a8: " + ", ".join(W8A8_SHAPES))
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's); on a busy "
+                    "machine one thread keeps a late second thread from stalling every call")
     ap.add_argument("--running", default="1,64")
     ap.add_argument("--context", type=int, default=280)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps-per-round", type=int, default=5)
     args = ap.parse_args()
     if args.matrices:
+        args.rows = args.rows or "1,16"
         matrices(args)
         return
+    if args.w8a8:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        return w8a8_gemms(args.models.split(","), [int(r) for r in (args.rows or "64,2048,4096").split(",")],
+                          args.rounds)
     from conveyor import kernels
     k = kernels.load()
     if k is None or not k.linear_bf16_available():

@@ -40,10 +40,15 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from conveyor.llm import LLM  # noqa: E402
+from conveyor.model import w8a8  # noqa: E402
 from conveyor.sampling_params import SamplingParams  # noqa: E402
 
 CONFIGS = {  # name -> LLM kwargs
     "bf16": {},
+    "W8A8 int8": {"quantization": "int8_per_channel"},
+    # the LM head's choice under W8A8 (conveyor/model/w8a8.py QUANTIZE_HEAD), measured: "_w8a8_head" is this
+    # script's, not an LLM argument
+    "W8A8 int8 (bf16 LM head)": {"quantization": "int8_per_channel", "_w8a8_head": False},
     "int8 weights": {"quantization": "int8"},
     "int4 weights": {"quantization": "int4"},
     "int8 KV": {"kv_cache_dtype": "int8"},
@@ -52,11 +57,19 @@ CONFIGS = {  # name -> LLM kwargs
 }
 
 
-def corpus_ids(tokenizer, n: int) -> list[int]:
+def corpus_text(path: str | None) -> str:
+    """The text scored: a file (e.g. /usr/share/common-licenses/GPL-3, plain English prose on every Debian), or by
+    default CPython's pydoc_data.topics (English about Python, with code) joined in order."""
+    if path:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
     from pydoc_data import topics
 
-    text = "\n\n".join(topics.topics.values())
-    return tokenizer(text, add_special_tokens=False)["input_ids"][:n]
+    return "\n\n".join(topics.topics.values())
+
+
+def corpus_ids(tokenizer, n: int, path: str | None = None) -> list[int]:
+    return tokenizer(corpus_text(path), add_special_tokens=False)["input_ids"][:n]
 
 
 @torch.inference_mode()
@@ -172,6 +185,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=48)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names from: " + ", ".join(CONFIGS))
+    ap.add_argument("--text", default=None, help="a text file to score (default: pydoc_data.topics); with fewer tokens "
+                    "than --tokens + the greedy prompts, the prompts come from its end and the windows from the rest")
     ap.add_argument("--out", default=None)
     ap.add_argument("--llama-cpp", default=None, help="llama.cpp's bin folder: compare --files with llama-perplexity")
     ap.add_argument("--files", default="", help="comma-separated GGUF files (with --llama-cpp)")
@@ -184,14 +199,18 @@ def main() -> None:
     names = [c.strip() for c in args.configs.split(",")]
     results, base_tokens = [], None
     ids = prompts = None
+    default_head = w8a8.QUANTIZE_HEAD
     for name in names:
         t0 = time.perf_counter()
-        llm = LLM(args.model, kv_cache_memory=0.5, **CONFIGS[name])
+        kwargs = dict(CONFIGS[name])
+        w8a8.QUANTIZE_HEAD = kwargs.pop("_w8a8_head", default_head)
+        llm = LLM(args.model, kv_cache_memory=0.5, **kwargs)
         if ids is None:
             n_prompt_tokens = args.prompts * args.prompt_len
-            all_ids = corpus_ids(llm.tokenizer, args.tokens + n_prompt_tokens)
-            ids = all_ids[:args.tokens]
-            rest = all_ids[args.tokens:]
+            all_ids = corpus_ids(llm.tokenizer, args.tokens + n_prompt_tokens, args.text)
+            scored = min(args.tokens, len(all_ids) - n_prompt_tokens)  # a short text: prompts from its end
+            ids = all_ids[:scored]
+            rest = all_ids[scored:]
             prompts = [rest[i * args.prompt_len:(i + 1) * args.prompt_len] for i in range(args.prompts)]
         ppl, n = perplexity(llm, ids, args.window)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -219,7 +238,8 @@ def main() -> None:
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump({"model": args.model, "tokens": args.tokens, "window": args.window,
+            json.dump({"model": args.model, "text": args.text or "pydoc_data.topics", "tokens": len(ids),
+                       "window": args.window,
                        "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
                        "results": results}, f, indent=1)
 

@@ -4,9 +4,9 @@
 
 Each configuration is a fresh `conveyor serve` of SmolLM2-135M driven by `conveyor bench run` (token-id
 prompts, streaming, greedy, ignore_eos), one server after the other on the same machine:
-- weights bf16 / int8 / int4: a single stream (256-token prompt, 128 output tokens, 6 requests) and
-  64 concurrent clients (256 requests, prompts 128-384, outputs 64-192);
-- weights bf16 / int8 / int4, single stream only, `--single-rounds` rounds in rotating order (each
+- weights bf16 / int8 / int4 / w8a8 (`--weights` picks some): a single stream (256-token prompt, 128
+  output tokens, 6 requests) and 64 concurrent clients (256 requests, prompts 128-384, outputs 64-192);
+- the same weights, single stream only, `--single-rounds` rounds in rotating order (each
   server warmed by one unmeasured single-stream pass first): the medians are the single-stream table;
 - KV bf16 / int8 under a small pool (`--kv-cache-memory`, default 0.15 GiB: about 7k bf16 tokens
   for 64 clients that would hold ~29k), the same 64-client load: the KV-bound case.
@@ -22,7 +22,8 @@ from pathlib import Path
 
 from vs_vllm import REPO, cpu_flags_of_interest, drive, serve, stop, wait_ready
 
-WEIGHTS = {"bf16": "", "int8": "--quantization int8", "int4": "--quantization int4"}
+WEIGHTS = {"bf16": "", "int8": "--quantization int8", "int4": "--quantization int4",
+           "w8a8": "--quantization int8_per_channel"}
 
 
 def run_server(flags: str, loads: list[str], work: Path, tag: str, log) -> dict:
@@ -41,7 +42,10 @@ def main() -> int:
     ap.add_argument("--kv-memory", type=float, default=0.15, help="GiB for the KV-bound runs")
     ap.add_argument("--parts", default="weights,kv,single")
     ap.add_argument("--single-rounds", type=int, default=3)
+    ap.add_argument("--weights", default=",".join(WEIGHTS), help="which weight configurations (bf16 first)")
     args = ap.parse_args()
+    for name in [w for w in WEIGHTS if w not in args.weights.split(",")]:
+        del WEIGHTS[name]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     work = args.out.parent / "runs"
     work.mkdir(exist_ok=True)

@@ -11,8 +11,12 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
 # weight-only: int8 / int4 (conveyor/model/quantization.py); gguf: a GGUF's blocks as shipped, whatever their type;
 # none: a GGUF dequantized to the dtype. Unset: a GGUF of k-quants, Q8_0, Q4_0 or Q5_0/1 is served as its blocks
-# (conveyor/model/gguf_weights.py)
-QUANTIZATIONS = ("int8", "int4", "gguf", "none")
+# (conveyor/model/gguf_weights.py). int8_per_channel: W8A8, int8 weights per channel and int8 activations per
+# token (conveyor/model/w8a8.py; vLLM's shorthand style, as its fp8_per_channel); w8a8_int8: SGLang's name for the
+# same, accepted and read as int8_per_channel (QUANTIZATION_ALIASES)
+W8A8_QUANTIZATION = "int8_per_channel"
+QUANTIZATION_ALIASES = {"w8a8_int8": W8A8_QUANTIZATION}
+QUANTIZATIONS = ("int8", "int4", "gguf", "none", W8A8_QUANTIZATION, *QUANTIZATION_ALIASES)
 KV_CACHE_DTYPES = ("auto", "int8")
 ATTENTION_BACKENDS = ("auto", "kernel", "torch")  # conveyor/model/attention.py
 KV_DISK_LOADS = ("auto", "always")  # the disk tier's load policy (conveyor/kv_cache/disk_tier.py)
@@ -108,6 +112,7 @@ class EngineConfig:
         # `scheduler` names a policy of conveyor/scheduler/policies.py, which checks it (`check_scheduler`):
         # this module sits below the scheduler package, which imports it
         defaults = {f.name: f.default for f in fields(self)}
+        self.quantization = QUANTIZATION_ALIASES.get(self.quantization, self.quantization)
         for name, choices in CHOICES.items():
             check_choice(name, getattr(self, name), choices, optional=defaults[name] is None)
         if self.batch_size < 1:

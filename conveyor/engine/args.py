@@ -74,8 +74,9 @@ def engine_flags() -> list[EngineFlag]:
         EngineFlag("device", "engine", "auto: CUDA when torch sees one, else CPU"),
         EngineFlag("quantization", "engine", "weights (CPU): int8 per channel, int4 in groups of 32 (a GGUF's Q4_0/"
                    "Q4_1 blocks kept as shipped); gguf: a GGUF's blocks as shipped, any type the kernels take; none: "
-                   "a GGUF dequantized to --dtype (default: a GGUF of Q8_0, Q4_0, Q5_0/1 or k-quants served as its "
-                   "blocks, anything else in --dtype)",
+                   "a GGUF dequantized to --dtype; int8_per_channel (alias w8a8_int8): W8A8, int8 weights per channel "
+                   "and activations quantized to int8 per token, int8 dot products, for compute-bound steps "
+                   "(default: a GGUF of Q8_0, Q4_0, Q5_0/1 or k-quants served as its blocks, anything else in --dtype)",
                    flags=("--quantization", "-q")),
         EngineFlag("seed", "engine", "seeds the generator that sampled requests without their own seed draw from",
                    type=int),

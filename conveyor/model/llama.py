@@ -229,8 +229,8 @@ class LlamaModel(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg).float(), persistent=False)
         self.rope_cos: torch.Tensor | None = None  # [max_position_embeddings, head_dim / 2]: build_rope_table
         self.rope_sin: torch.Tensor | None = None
-        # fuse_body(): (linear op, layer weights, each layer's qkv bias or none)
-        self.fused_body: tuple[str, list[torch.Tensor], list[torch.Tensor]] | None = None
+        # fuse_body(): (linear op, layer weights, each layer's qkv bias or none, W8A8's Hadamard block per linear)
+        self.fused_body: tuple[str, list[torch.Tensor], list[torch.Tensor], list[int]] | None = None
         self.fused_max_rows: int | None = None  # larger steps run the loop (quantized layers' dense copies)
 
     def forward(
@@ -245,12 +245,12 @@ class LlamaModel(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         if (self.fused_body is not None and meta.backend == "kernel" and len(kv_caches[0]) == 2
                 and (self.fused_max_rows is None or input_ids.shape[0] <= self.fused_max_rows)):
-            op, weights, qkv_biases = self.fused_body
+            op, weights, qkv_biases, hadamard = self.fused_body
             attn = self.layers[0].self_attn
             x, residual = kernels.load().decoder_layers(
                 x, None, cos, sin, weights, [c[0] for c in kv_caches], [c[1] for c in kv_caches], meta.slot_mapping,
                 meta.block_tables, meta.cu_query_lens, meta.context_lens, attn.h, attn.hkv, self.cfg.rms_norm_eps,
-                attn.scale, op, qkv_biases)
+                attn.scale, op, qkv_biases, hadamard)
             return self.norm(x, residual)[0]
         for layer, cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, cos, sin, cache, meta)
@@ -263,14 +263,15 @@ class LlamaModel(nn.Module):
         same kernels run in the same order, so outputs are bit-identical; what goes is ~20 Python-level calls
         per layer (about 4 ms of a 17 ms one-stream decode step on a 2-core Zen 3). int8 and int4 layers on our
         kernels qualify too, for the steps their dense copies (see quantization.py) do not take, GGUF block
-        weights (gguf_weights.py) too, and so do Qwen2's q/k/v biases (added by the same torch op as the loop
-        adds them). Returns whether it is on.
+        weights (gguf_weights.py) too, W8A8 layers on theirs (w8a8.py) for every step, and so do Qwen2's q/k/v
+        biases (added by the same torch op as the loop adds them). Returns whether it is on.
 
         Anything else (LoRA's wrapped linears, oneDNN or torch's linears, the torch reference path, an int8 KV
         cache at call time) keeps the Python loop, which stays the reference."""
         from conveyor.model.gguf_weights import GGUFLinear
         from conveyor.model.packed_linear import _OPS, PackedLinear
         from conveyor.model.quantization import QuantizedLinear
+        from conveyor.model.w8a8 import W8A8Linear
 
         def op_of(m: nn.Module, bias_ok: bool = False) -> tuple[str, list[torch.Tensor]] | None:
             if getattr(m, "bias", None) is not None and not bias_ok:
@@ -281,12 +282,14 @@ class LlamaModel(nn.Module):
                 return f"linear_int{m.bits}", [m.qweight, m.scales]
             if type(m) is GGUFLinear:
                 return "gguf_linear", [m.packed, m.meta]
+            if type(m) is W8A8Linear and m.kernel:
+                return "linear_w8a8", [m.packed, m.comp, m.sw]
             return None
 
         self.fused_body, self.fused_max_rows = None, None
         if not on or not hasattr(kernels.load(), "decoder_layers"):
             return False
-        ops, weights, limits, biases = set(), [], [], []
+        ops, weights, limits, biases, hadamards = set(), [], [], [], set()
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             lins = [op_of(attn.qkv_proj, bias_ok=True), *(op_of(m) for m in (attn.o_proj, mlp.gate_up_proj,
@@ -301,9 +304,11 @@ class LlamaModel(nn.Module):
                 biases.append(attn.qkv_proj.bias.detach())
             limits += [m.dense_above for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
                        if isinstance(m, QuantizedLinear) and m.dense is not None and m.dense_above is not None]
-        if len(ops) != 1 or len(biases) not in (0, len(self.layers)):
+            hadamards.add(tuple(getattr(m, "hadamard", 0) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                                    mlp.down_proj)))
+        if len(ops) != 1 or len(biases) not in (0, len(self.layers)) or len(hadamards) != 1:
             return False
-        self.fused_body = (ops.pop(), [w.detach() for w in weights], biases)
+        self.fused_body = (ops.pop(), [w.detach() for w in weights], biases, list(hadamards.pop()))
         self.fused_max_rows = min(limits, default=None)
         return True
 

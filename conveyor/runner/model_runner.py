@@ -25,13 +25,14 @@ import torch
 from torch import nn
 
 from conveyor import startup
-from conveyor.config import DTYPES, EngineConfig
+from conveyor.config import DTYPES, W8A8_QUANTIZATION, EngineConfig
 from conveyor.kernels.variants import cpu_info
+from conveyor.model import w8a8
 from conveyor.model.attention import KV_SCALE_DTYPE, build_metadata, cache_shapes, choose_backend, scale_shape
 from conveyor.model.gguf_weights import GGUFEmbedding, GGUFLinear
 from conveyor.model.llama import LlamaModel, ModelConfig, rope_inv_freq
 from conveyor.model.loader import TensorDictSource, WeightSource
-from conveyor.model.packed_linear import PackedLinear, available_kernels, packing_available
+from conveyor.model.packed_linear import PackedLinear, available_kernels, pack_linears, packing_available
 from conveyor.model.quantization import (
     KERNEL_DTYPES,
     QuantizedLinear,
@@ -122,19 +123,21 @@ class ModelRunner:
         # int8 / int4: quantized by us (or a GGUF's Q4_0/Q4_1 kept for int4); gguf / none / unset: how a GGUF's
         # blocks are served (kept as blocks, model/gguf_weights.py, or dequantized), no quantization of ours
         method = config.quantization if config.quantization in ("int8", "int4") else None
-        self.quantization = method
-        if method:
+        # W8A8 (int8_per_channel): the model is loaded in the dtype, then each linear is quantized (w8a8.py)
+        w8a8_on = config.quantization == W8A8_QUANTIZATION
+        self.quantization = method or (config.quantization if w8a8_on else None)
+        if method or w8a8_on:
             why = quantization_available(self.device, self.dtype)
             if why is not None:
-                raise ValueError(f"--quantization {method} is not available: {why}")
+                raise ValueError(f"--quantization {config.quantization} is not available: {why}")
         source = tensors if isinstance(tensors, WeightSource) else TensorDictSource(dict(tensors))
         blocks = source.kept_blocks(config.quantization)  # a GGUF's weights served as its blocks (headers only)
         if blocks and (self.device.type != "cpu" or self.dtype not in KERNEL_DTYPES):
             log.warning("GGUF block weights run on CPU kernels only: dequantizing them for %s/%s", self.device,
                         self.dtype)
             blocks = {}
-        self.weight_dtype = method or ("gguf" if blocks else str(self.dtype).removeprefix("torch."))
-        pack = config.packed_linear and packing_available(self.device, self.dtype)
+        self.weight_dtype = self.quantization or ("gguf" if blocks else str(self.dtype).removeprefix("torch."))
+        pack = config.packed_linear and packing_available(self.device, self.dtype) and not w8a8_on
         if self.device.type == "cpu":
             self._check_memory(config, pack, blocks)
         with torch.device("meta"):
@@ -168,11 +171,20 @@ class ModelRunner:
             log.info("weights: %s (%d linear layers, %d kept as the checkpoint ships them); %s%s",
                      method, counts["quantized"], counts["from_checkpoint"], dense_rows_note(threshold),
                      f" (dense copies of {dense / 2**30:.2f} GiB)" if dense else "")
+        if w8a8_on:
+            n = w8a8.quantize_model(self.model, self.dtype)
+            log.info("weights: %s (W8A8: %d linear layers in int8%s, activations quantized per token after a "
+                     "block Hadamard transform, on %s)", config.quantization, n,
+                     "" if w8a8.QUANTIZE_HEAD else ", the LM head in " + str(self.dtype), w8a8.kernel_isa())
+            if config.packed_linear and packing_available(self.device, self.dtype):
+                counts["packed"] += pack_linears(self.model)  # what stays in the dtype (the LM head)
+            _trim_heap()  # the float weights the int8 ones replaced
         self.packed_linears = counts["packed"]
         # every op on the compiled CPU path gives a token a result that depends only on its own request
         # (tests/engine/test_batch_invariance.py); the torch reference path (CUDA, no compiler) does not
-        linears = [m for m in self.model.modules() if isinstance(m, (PackedLinear, QuantizedLinear, GGUFLinear))]
-        self.quantized_linears = sum(1 for m in linears if isinstance(m, (QuantizedLinear, GGUFLinear)))
+        quantized = (QuantizedLinear, GGUFLinear, w8a8.W8A8Linear)
+        linears = [m for m in self.model.modules() if isinstance(m, (PackedLinear, *quantized))]
+        self.quantized_linears = sum(1 for m in linears if isinstance(m, quantized))
         self.batch_invariant = (self.attention_backend == "kernel" and bool(linears)
                                 and all(m.batch_invariant for m in linears))
         self.lora = None  # LoRAManager when adapters are enabled (conveyor/lora)
@@ -207,7 +219,8 @@ class ModelRunner:
         an embedding in `blocks` a GGUFEmbedding whose blocks a tied LM head shares. Peak memory: the served
         weights plus about twice the largest layer (the LM head, read first, while nothing else is held).
         Returns counts of packed / quantized / kept-for-int4 / GGUF-block layers."""
-        dtype, device, method = self.dtype, self.device, self.quantization
+        dtype, device = self.dtype, self.device
+        method = self.quantization if self.quantization in ("int8", "int4") else None  # W8A8 quantizes after
         counts = {"packed": 0, "quantized": 0, "from_checkpoint": 0, "gguf": 0}
 
         def read(name: str) -> torch.Tensor:

@@ -215,11 +215,13 @@ def test_preemption_changes_nothing(model_dir, workload, reference, top1, sample
 
 
 @pytest.mark.parametrize("kw", [dict(kv_cache_dtype="int8"), dict(quantization="int8"),
-                                dict(quantization="int4", kv_cache_dtype="int8")],
-                         ids=["kv-int8", "w-int8", "w-int4+kv-int8"])
+                                dict(quantization="int4", kv_cache_dtype="int8"),
+                                dict(quantization="int8_per_channel")],
+                         ids=["kv-int8", "w-int8", "w-int4+kv-int8", "w8a8"])
 def test_quantized_engine_unchanged_in_a_crowd(model_dir, workload, monkeypatch, kw):
     """Quantized weights (on their kernels for every step size) and the int8 KV cache keep a request's
-    tokens independent of its batch: the int8 KV scales are per token, the int kernels per row."""
+    tokens independent of its batch: the int8 KV scales are per token, the int kernels per row, and W8A8
+    quantizes each row's activations alone and sums integers exactly."""
     monkeypatch.setenv("CONVEYOR_QUANT_DENSE_ABOVE", "none")
     probes, crowd = workload
     crowd = dict(list(crowd.items())[:127])  # the int kernels at every step size are slow without AVX-512 VNNI

@@ -20,7 +20,12 @@ KERNEL_TESTS = ["tests/kernels/test_fused_ops.py", "tests/model/test_attention_k
                 "tests/runner/test_sampler_kernel.py",  # the sampler's scalar path runs under avx2 and generic
                 "tests/model/test_gguf_weights.py",  # AVX2's maddubs path (avx2, avx512), none in generic
                 # the LoRA kernel's portable shrink and expand (no AVX512-BF16 / no AVX-512)
-                "tests/lora/test_lora_parity.py::test_kernel_and_torch_paths_match_rowwise_reference"]
+                "tests/lora/test_lora_parity.py::test_kernel_and_torch_paths_match_rowwise_reference",
+                # W8A8: VNNI (avx512bf16), vpmaddubsw (avx512, avx2), the torch reference (generic)
+                *(f"tests/model/test_w8a8.py::{t}" for t in (
+                    "test_activation_quantization_matches_the_reference", "test_kernel_matches_the_reference_exactly",
+                    "test_rows_do_not_depend_on_the_batch_or_the_threads", "test_close_to_the_float_product",
+                    "test_reference_path_without_the_kernel"))]
 ROOT = Path(__file__).resolve().parents[2]
 
 kernels.load()
@@ -72,3 +77,30 @@ def test_variants_agree_with_each_other_on_the_fused_ops():
         torch.testing.assert_close(outs[v][1], outs[variants[0]][1], rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="not installed"):
         kernels.use_variant("z80")
+
+
+def test_variants_agree_bit_for_bit_on_w8a8():
+    """W8A8 sums integers exactly and scales them the same way everywhere: VNNI's vpdpbusd and AVX2's
+    vpmaddubsw give the same bits, with and without the Hadamard transform."""
+    import torch
+
+    from conveyor.model import w8a8
+
+    variants = [v for v in kernels.installed_variants() if v != "generic"]
+    if len(variants) < 2:
+        pytest.skip("fewer than two installed variants with the W8A8 kernel this CPU runs")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 1536, generator=gen).bfloat16()
+    q, sw = w8a8.quantize_weight(torch.randn(96, 1536, generator=gen))
+    packed, comp = w8a8.pack_weight(q)
+    ops = kernels.load()
+    outs = {}
+    try:
+        for v in variants:
+            kernels.use_variant(v)
+            outs[v] = [ops.linear_w8a8(x, packed, comp, sw, had) for had in (0, 512)]
+    finally:
+        kernels.use_variant(kernels.installed_variants()[0])
+    for v in variants[1:]:
+        for a, b in zip(outs[v], outs[variants[0]]):
+            assert torch.equal(a, b), v

@@ -60,8 +60,9 @@ def generate(model_dir, monkeypatch, fused: bool, **config) -> tuple[dict, dict,
 
 
 @pytest.mark.parametrize("config", [{}, {"num_kv_blocks": 24, "max_num_seqs": 8, "max_model_len": 256},
-                                    {"quantization": "int4"}, {"quantization": "int8"}],
-                         ids=["plain", "preempting", "int4", "int8"])
+                                    {"quantization": "int4"}, {"quantization": "int8"},
+                                    {"quantization": "int8_per_channel"}],
+                         ids=["plain", "preempting", "int4", "int8", "w8a8"])
 def test_one_call_gives_the_loops_bits(model_dir, monkeypatch, config):
     if config.get("quantization"):
         if not int4_kernel_fits(quantize_int4(torch.randn(16, 32), 32), torch.bfloat16):

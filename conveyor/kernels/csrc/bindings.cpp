@@ -487,6 +487,59 @@ at::Tensor gguf_linear(at::Tensor x, at::Tensor packed, at::Tensor meta) {
 }
 // --- end GGUF ---------------------------------------------------------------------------------------------------
 
+// ---- W8A8 (linear_w8a8.cpp): int8 weights per channel x int8 activations per token, exact int32 sums ----
+
+bool linear_w8a8_available() { return table().linear_w8a8 != nullptr; }
+
+std::string w8a8_isa() { return table().w8a8_isa ? table().w8a8_isa : ""; }
+
+// The packed W8A8 weight's checks (quantization's pack_w8a8): w int8 [N/16, Kp/4, 16, 4], comp int32 [N], sw fp32 [N].
+void check_w8a8_weight(const at::Tensor& w, const at::Tensor& comp, const at::Tensor& sw, const char* what) {
+  TORCH_CHECK(w.dim() == 4 && w.scalar_type() == at::kChar && w.is_contiguous() && w.size(2) == 16 && w.size(3) == 4 &&
+                  comp.dim() == 1 && comp.scalar_type() == at::kInt && comp.is_contiguous() &&
+                  comp.size(0) == w.size(0) * 16 && sw.dim() == 1 && sw.scalar_type() == at::kFloat &&
+                  sw.is_contiguous() && sw.size(0) == w.size(0) * 16,
+              what, ": the weight must come from quantization.py's W8A8 packing (pack_w8a8)");
+}
+
+// had: 0, or a power of two >= 16 dividing K: x's rows are Walsh-Hadamard transformed in blocks of `had` first.
+void check_hadamard(int64_t had, int64_t k, const char* what) {
+  TORCH_CHECK(had == 0 || (had >= 16 && (had & (had - 1)) == 0 && k % had == 0), what,
+              ": the Hadamard block must be 0 or a power of two >= 16 that divides K (", k, "), got ", had);
+}
+
+// out [M, N] = W8A8 product of x [M, K] (fp32 or bf16, quantized per row inside) and the packed weight, in x's dtype.
+at::Tensor linear_w8a8(at::Tensor x, at::Tensor w, at::Tensor comp, at::Tensor sw, int64_t had) {
+  TORCH_CHECK(table().linear_w8a8 != nullptr, "linear_w8a8: the kernel variant '", table().name,
+              "' has neither AVX-512 VNNI nor AVX2 (the CPU lacks them, or CONVEYOR_CPU_VARIANT chose another)");
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "linear_w8a8: x must be a 2-D CPU tensor");
+  check_w8a8_weight(w, comp, sw, "linear_w8a8");
+  const int64_t k = x.size(1), n = w.size(0) * 16;
+  TORCH_CHECK(w.size(1) == (k + 3) / 4, "linear_w8a8: x and the weight disagree on K");
+  check_hadamard(had, k, "linear_w8a8");
+  const DType dt = float_dtype(x, "linear_w8a8");
+  x = x.contiguous();
+  auto out = at::empty({x.size(0), n}, x.options());
+  if (x.size(0) > 0)
+    table().linear_w8a8(dt, x.data_ptr(), w.data_ptr<int8_t>(), comp.data_ptr<int32_t>(), sw.data_ptr<float>(),
+                        out.data_ptr(), x.size(0), k, n, had);
+  return out;
+}
+
+// x [M, K] (fp32 or bf16) -> (q int8 [M, K], scale fp32 [M]): the activations as linear_w8a8 quantizes them.
+std::vector<at::Tensor> w8a8_quantize(at::Tensor x, int64_t had) {
+  TORCH_CHECK(table().w8a8_quantize != nullptr, "w8a8_quantize: not in the kernel variant '", table().name, "'");
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "w8a8_quantize: x must be a 2-D CPU tensor");
+  check_hadamard(had, x.size(1), "w8a8_quantize");
+  const DType dt = float_dtype(x, "w8a8_quantize");
+  x = x.contiguous();
+  auto q = at::empty(x.sizes(), x.options().dtype(at::kChar));
+  auto scale = at::empty({x.size(0)}, x.options().dtype(at::kFloat));
+  if (x.numel() > 0)
+    table().w8a8_quantize(dt, x.data_ptr(), x.size(0), x.size(1), had, q.data_ptr<int8_t>(), scale.data_ptr<float>());
+  return {q, scale};
+}
+
 // A Llama body's decoder layers in one call: the ops of LlamaModel's Python path (llama.py: DecoderLayer,
 // Attention, MLP with the compiled kernels), the same kernels in the same order on the same values, so the
 // bits are the same. Why: that path makes ~20 Python-level calls per layer (module calls, views, splits, one
@@ -496,25 +549,29 @@ at::Tensor gguf_linear(at::Tensor x, at::Tensor packed, at::Tensor meta) {
 // estimate, ~0.6 ms a step; in process the A/B was within this VM's noise: docs/performance.md, 2026-12-04.)
 // weights: per layer (input norm, qkv, o, post-attention norm, gate_up, down), the linears all packed for
 // `linear` ("linear_bf16", "linear_amx" or "linear_avx2": one tensor each; "linear_int4" or "linear_int8":
-// two, q and the scales; "gguf_linear": two, the packed bytes and the parts' meta), no biases but Qwen2's q/k/v ones (`qkv_biases`: one per layer, or none). Returns (x, residual) as the last layer leaves them (the final norm is
+// two, q and the scales; "gguf_linear": two, the packed bytes and the parts' meta; "linear_w8a8": three, w, comp and sw), no biases but Qwen2's q/k/v ones (`qkv_biases`: one per layer, or none). Returns (x, residual) as the last layer leaves them (the final norm is
 // Python's); the residual is `residual_in`, or x, updated in place.
 std::vector<at::Tensor> decoder_layers(at::Tensor x, c10::optional<at::Tensor> residual_in, at::Tensor cos,
                                        at::Tensor sin, const std::vector<at::Tensor>& weights,
                                        const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
                                        at::Tensor slots, at::Tensor block_tables, at::Tensor cu_q, at::Tensor ctx_lens,
                                        int64_t heads, int64_t kv_heads, double eps, double scale,
-                                       const std::string& linear, const std::vector<at::Tensor>& qkv_biases) {
+                                       const std::string& linear, const std::vector<at::Tensor>& qkv_biases,
+                                       const std::vector<int64_t>& w8a8_hadamard) {
   const Table& tb = table();
-  const bool int4 = linear == "linear_int4", int8 = linear == "linear_int8";
+  const bool int4 = linear == "linear_int4", int8 = linear == "linear_int8", w8a8 = linear == "linear_w8a8";
   const bool bf16 = linear == "linear_bf16", amx = linear == "linear_amx", avx2 = linear == "linear_avx2";
   const bool gguf = linear == "gguf_linear";  // GGUF block weights (linear_gguf.cpp): packed bytes and meta
   const bool dense = bf16 || amx || avx2;
   TORCH_CHECK((bf16 && tb.linear_bf16) || (amx && tb.linear_amx) || (avx2 && tb.linear_avx2) ||
-                  (int4 && tb.linear_int4) || (int8 && tb.linear_int8) || (gguf && tb.gguf_linear),
+                  (int4 && tb.linear_int4) || (int8 && tb.linear_int8) || (gguf && tb.gguf_linear) ||
+                  (w8a8 && tb.linear_w8a8),
               "decoder_layers: linear '", linear, "' is unknown or not in the variant '", tb.name, "'");
-  const int64_t k_multiple = int4 || amx ? 32 : gguf ? 1 : 2;  // what each kernel needs of K (GGUF: its parts')
+  const int64_t k_multiple = int4 || amx ? 32 : gguf || w8a8 ? 1 : 2;  // what each kernel needs of K (GGUF: its parts')
+  // W8A8: each linear's Hadamard block (qkv, o, gate_up, down), the same in every layer
+  TORCH_CHECK(!w8a8 || w8a8_hadamard.size() == 4, "decoder_layers: linear_w8a8 needs 4 Hadamard blocks (0: none)");
   // tensors per linear (s), per layer (per)
-  const size_t layers = k_caches.size(), s = int4 || int8 || gguf ? 2 : 1, per = 2 + 4 * s;
+  const size_t layers = k_caches.size(), s = w8a8 ? 3 : int4 || int8 || gguf ? 2 : 1, per = 2 + 4 * s;
   std::vector<std::vector<conveyor::GGUFPart>> gguf_lin(gguf ? 4 * layers : 0);  // per layer and linear
   TORCH_CHECK(weights.size() == per * layers && v_caches.size() == layers && layers > 0 && x.dim() == 2 &&
                   x.is_contiguous(),
@@ -546,6 +603,9 @@ std::vector<at::Tensor> decoder_layers(at::Tensor x, c10::optional<at::Tensor> r
       } else if (gguf) {
         in_w[j] = gguf_in_features(q, lw[j][1]);
         gguf_lin[4 * i + j] = gguf_parts(q, lw[j][1], in_w[j], &out_w[j]);
+      } else if (w8a8) {
+        check_w8a8_weight(q, lw[j][1], lw[j][2], "decoder_layers");
+        out_w[j] = q.size(0) * 16, in_w[j] = -1;  // K padded to 4 in the packing: checked against the model below
       } else if (int8) {
         TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 3 && lw[j][1].scalar_type() == at::kFloat &&
                         lw[j][1].is_contiguous() && lw[j][1].numel() == q.size(0) * 16,
@@ -559,6 +619,14 @@ std::vector<at::Tensor> decoder_layers(at::Tensor x, c10::optional<at::Tensor> r
       TORCH_CHECK(in_w[j] % k_multiple == 0, "decoder_layers: ", linear, " needs K a multiple of ", k_multiple);
     }
     if (i == 0) inter2 = out_w[2];
+    if (w8a8) {  // the packing pads K to a multiple of 4: each linear's K is the model's, if its groups agree
+      const int64_t model_in[4] = {hidden, qw, hidden, inter2 / 2};
+      for (int j = 0; j < 4; ++j) {
+        TORCH_CHECK(lw[j][0].size(1) == (model_in[j] + 3) / 4, "decoder_layers: layer ", i, "'s W8A8 weights disagree on K");
+        in_w[j] = model_in[j];
+        check_hadamard(w8a8_hadamard[j], in_w[j], "decoder_layers");
+      }
+    }
     TORCH_CHECK(out_w[0] == qkv_w && in_w[0] == hidden && out_w[1] == hidden && in_w[1] == qw &&
                     out_w[2] == inter2 && in_w[2] == hidden && out_w[3] == hidden && in_w[3] * 2 == inter2,
                 "decoder_layers: layer ", i, "'s linears do not fit hidden ", hidden, ", heads ", heads, "x", d);
@@ -603,16 +671,19 @@ std::vector<at::Tensor> decoder_layers(at::Tensor x, c10::optional<at::Tensor> r
   const at::Tensor qkv_t = ws.narrow(0, (static_cast<char*>(qkv) - static_cast<char*>(ws.data_ptr())) / es, t * qkv_w)
                                .view({t, qkv_w});
   size_t layer = 0;  // the layer `apply` runs (for the GGUF parts)
-  auto apply = [&](const void* in, const at::Tensor* w, void* o, int64_t k, int64_t n) {
+  // `which`: the layer's linear (0 qkv, 1 o, 2 gate_up, 3 down)
+  auto apply = [&](const void* in, const at::Tensor* w, void* o, int64_t k, int64_t n, int which) {
     if (gguf) {
-      // which of the layer's four linears `w` is: its tensors sit at 1, 1 + s, 2 + 2s, 2 + 3s in the layer's
-      const auto& parts = gguf_lin[4 * layer + (w - &weights[per * layer] - 1) / s];
+      const auto& parts = gguf_lin[4 * layer + which];
       const conveyor::GGUFLinearArgs a{in, o, parts.data(), static_cast<int64_t>(parts.size()), t, k, n, dt};
       tb.gguf_linear(a);
     } else if (int4)
       tb.linear_int4(dt, in, w[0].data_ptr<uint8_t>(), w[1].data_ptr<float>(), o, t, k, n);
     else if (int8)
       tb.linear_int8(dt, in, w[0].data_ptr<int8_t>(), w[1].data_ptr<float>(), o, t, k, n);
+    else if (w8a8)
+      tb.linear_w8a8(dt, in, w[0].data_ptr<int8_t>(), w[1].data_ptr<int32_t>(), w[2].data_ptr<float>(), o, t, k, n,
+                     w8a8_hadamard[which]);
     else if (bf16)
       tb.linear_bf16(static_cast<const uint32_t*>(in), static_cast<const uint16_t*>(w[0].data_ptr()),
                      static_cast<uint16_t*>(o), t, k, n / 16);
@@ -642,7 +713,7 @@ std::vector<at::Tensor> decoder_layers(at::Tensor x, c10::optional<at::Tensor> r
       tb.rms_norm(dt, rp, nullptr, w[0].data_ptr(), t, hidden, static_cast<float>(eps), xn);
     else
       tb.rms_norm(dt, i == 0 ? x.data_ptr() : xp, rp, w[0].data_ptr(), t, hidden, static_cast<float>(eps), xn);
-    apply(xn, w + 1, qkv, hidden, qkv_w);
+    apply(xn, w + 1, qkv, hidden, qkv_w, 0);
     if (!qkv_biases.empty()) qkv_t.add_(qkv_biases[i]);
     char* qkvp = static_cast<char*>(qkv);
     tb.rope(dt, qkvp, t, heads, d, qkv_w, cos.data_ptr<float>(), sin.data_ptr<float>());
@@ -655,11 +726,11 @@ std::vector<at::Tensor> decoder_layers(at::Tensor x, c10::optional<at::Tensor> r
       std::memcpy(static_cast<char*>(qb) + r * qw * es, qkvp + r * qkv_w * es, qw * es);
     attn.k_cache = kc.data_ptr(), attn.v_cache = vc.data_ptr(), attn.block_size = kc.size(3), attn.block_stride = kc.stride(0);
     tb.paged_attention(attn);
-    apply(ob, w + 1 + s, xp, qw, hidden);
+    apply(ob, w + 1 + s, xp, qw, hidden, 1);
     tb.rms_norm(dt, xp, rp, w[1 + 2 * s].data_ptr(), t, hidden, static_cast<float>(eps), xn);
-    apply(xn, w + 2 + 2 * s, gu, hidden, inter2);
+    apply(xn, w + 2 + 2 * s, gu, hidden, inter2, 2);
     tb.silu_and_mul(dt, gu, act, t, inter);
-    apply(act, w + 2 + 3 * s, xp, inter, hidden);
+    apply(act, w + 2 + 3 * s, xp, inter, hidden, 3);
   }
   return {out, residual};
 }
@@ -816,11 +887,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("qk"), release());
   m.def("gguf_linear", &gguf_linear, "x @ W^T with W GGUF blocks (several parts), int8 dot products (CPU)",
         py::arg("x"), py::arg("packed"), py::arg("meta"), release());
+  m.def("linear_w8a8_available", &linear_w8a8_available, "whether the chosen variant has the W8A8 int8 linear");
+  m.def("w8a8_isa", &w8a8_isa, "the instructions the W8A8 linear runs on here: avx512-vnni, avx2 (empty: none)");
+  m.def("linear_w8a8", &linear_w8a8, "x @ W^T in W8A8: int8 weights per channel, int8 activations per token, exact "
+        "int32 sums, batch-invariant (CPU)", py::arg("x"), py::arg("w"), py::arg("comp"), py::arg("sw"),
+        py::arg("hadamard") = 0, release());
+  m.def("w8a8_quantize", &w8a8_quantize, "x's rows as linear_w8a8 quantizes them: (int8 q, fp32 scale)", py::arg("x"),
+        py::arg("hadamard") = 0, release());
   m.def("decoder_layers", &decoder_layers, "a Llama body's decoder layers in one call, as llama.py runs them (CPU)",
         py::arg("x"), py::arg("residual"), py::arg("cos"), py::arg("sin"), py::arg("weights"), py::arg("k_caches"),
         py::arg("v_caches"), py::arg("slots"), py::arg("block_tables"), py::arg("cu_q"), py::arg("ctx_lens"),
         py::arg("heads"), py::arg("kv_heads"), py::arg("eps"), py::arg("scale"), py::arg("linear"),
-        py::arg("qkv_biases") = std::vector<at::Tensor>(), release());
+        py::arg("qkv_biases") = std::vector<at::Tensor>(), py::arg("w8a8_hadamard") = std::vector<int64_t>(),
+        release());
   m.def("argmax_rows", &argmax_rows, "each row's largest value and its first index, as torch.max(dim=-1) (CPU)",
         release());
   m.def("lora_sgmv_", &lora_sgmv_, "y += LoRA deltas of every adapter segment of a step (CPU)", release());

@@ -146,6 +146,14 @@ struct Table {
   // AVX-512 VNNI or AVX2; null in the generic variant (the caller then dequantizes the weights at load)
   void (*gguf_linear)(const GGUFLinearArgs&) = nullptr;
   // --- end GGUF ---
+  // W8A8 (linear_w8a8.cpp): int8 weights per output channel times int8 activations quantized per token on the fly,
+  // exact int32 sums (AVX-512 VNNI, else AVX2); w packed [N/16][Kp/4][16][4], comp and sw [N]; x and out in dt
+  // had > 0: x's rows Walsh-Hadamard transformed in blocks of `had` (a power of two >= 16 dividing k) first
+  void (*linear_w8a8)(DType dt, const void* x, const int8_t* w, const int32_t* comp, const float* sw, void* out,
+                      int64_t m, int64_t k, int64_t n, int64_t had) = nullptr;
+  // the activations' quantization alone, as linear_w8a8 does it: q int8 [m, k], scale fp32 [m] (tests)
+  void (*w8a8_quantize)(DType dt, const void* x, int64_t m, int64_t k, int64_t had, int8_t* q, float* scale) = nullptr;
+  const char* w8a8_isa = nullptr;  // which instructions linear_w8a8 runs on here: "avx512-vnni" or "avx2"
   void (*sample_rows)(const float* logits, int64_t rows, int64_t vocab, const float* temperature,
                       const int64_t* top_k, const float* top_p, const float* min_p, const double* uniform,
                       int64_t* out) = nullptr;
