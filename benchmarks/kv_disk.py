@@ -54,7 +54,8 @@ def drive(engine, prompts: list[list[int]], concurrency: int, output_len: int) -
     inflight: dict[str, float] = {}
     reqs = {}
     ttft: dict[str, float] = {}
-    q0, h0 = engine.kv.prefix_queries, engine.kv.prefix_hits
+    s0 = engine.snapshot()
+    q0, h0 = s0.prefix_queries, s0.prefix_hits
     t0 = time.monotonic()
     out_tokens = 0
     while todo or inflight:
@@ -71,7 +72,8 @@ def drive(engine, prompts: list[list[int]], concurrency: int, output_len: int) -
             if d.finished:
                 inflight.pop(d.request_id, None)
     dur = time.monotonic() - t0
-    q, h = engine.kv.prefix_queries - q0, engine.kv.prefix_hits - h0
+    s1 = engine.snapshot()
+    q, h = s1.prefix_queries - q0, s1.prefix_hits - h0
     t = list(ttft.values())
     return {"requests": len(prompts), "seconds": dur, "output_tok_s": out_tokens / dur,
             "total_tok_s": (sum(len(p) for p in prompts) + out_tokens) / dur, "req_s": len(prompts) / dur,

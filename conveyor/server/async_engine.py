@@ -385,6 +385,10 @@ class AsyncEngine:
         if self.state == RESTARTING:
             return EngineRestartingError(f"the engine is restarting after it died ({self._error}); retry in a "
                                          "few seconds")
+        if not self.alive and self._restart_due():
+            # the engine has just died and the event loop has not heard yet: a restart is what comes next
+            return EngineRestartingError(f"the engine is restarting after it died ({self.error}); retry in a "
+                                         "few seconds")
         if not self.alive:
             return EngineDeadError(f"the engine is not running{f': {self.error}' if self.error else ''}")
         return None
@@ -577,6 +581,15 @@ class AsyncEngine:
             batch_running=s.batch_running, batch_waiting=s.batch_waiting, kv_disk=s.kv_disk, **carried)
 
     # --- supervision: a lost engine and its restart ------------------------------------------------------
+    def _restart_due(self) -> bool:
+        """Whether an engine found dead while serving will be restarted (not the server stopping, a server with
+        nothing to restart with, or one more loss than the crash-loop rule allows)."""
+        if self.state != SERVING or self._stopping or self.respawn is None or self.client is None:
+            return False
+        now = time.monotonic()
+        recent = sum(1 for t in self._losses if now - t <= self.restart_window_s)
+        return recent + 1 <= self.max_restarts
+
     def _count_loss(self) -> int:
         """Record a loss now; how many fell within the restart window."""
         now = time.monotonic()

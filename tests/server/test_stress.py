@@ -89,11 +89,13 @@ def test_disconnect_storm_leaves_nothing_behind(tiny_llama):
         assert r.aborted > 50, "the cuts should reach the engine and be counted as aborts"
 
 
-def test_soak_two_minutes_rss_flat(tiny_llama):
-    """The suite's 2-minute soak (the 20-minute one is `conveyor bench stress soak`): a mixed load of
-    12 clients; every request that was not cut succeeds, and after an 80 s warm-up RSS grows < 5%."""
+def test_soak_one_minute_rss_flat(tiny_llama):
+    """The suite's 1-minute soak (the 20-minute one is `conveyor bench stress soak`): a mixed load of
+    12 clients; every request that was not cut succeeds, and after a 30 s warm-up RSS grows < 5% (the
+    tiny model's default KV pool is a few MB, touched within seconds: the 2-minute run of this test
+    read 614 MB at 30 s and 635 MB at its end, +3.4%)."""
     with ServerProc(tiny_llama, "--max-num-seqs", "32") as srv:
-        r = asyncio.run(soak(srv.url, duration_s=120.0, warmup_s=80.0, clients=12, rss_every_s=5.0,
+        r = asyncio.run(soak(srv.url, duration_s=60.0, warmup_s=30.0, clients=12, rss_every_s=5.0,
                              max_tokens=(16, 48), pid=srv.proc.pid))
         keep("soak", r)
         srv.check(r.problems())
