@@ -27,7 +27,6 @@ import dataclasses
 import functools
 import gc
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -48,6 +47,7 @@ from conveyor.outputs import FinishReason, StepDelta
 from conveyor.request import EngineRequest, Tier, sequence_ids
 from conveyor.server.args import RETRY_AFTER_S
 from conveyor.server.metrics import EngineStats, ServerMetrics
+from conveyor.server.threads import in_daemon_thread
 
 log = logging.getLogger("conveyor.server")
 request_log = logging.getLogger("conveyor.server.requests")
@@ -231,34 +231,6 @@ SERVING, RESTARTING, DEAD = "ok", "restarting", "dead"  # AsyncEngine.state
 # engine counters that start from zero in a new engine: carried over a restart so /metrics stays monotonic
 _CARRIED = ("prompt_tokens", "generation_tokens", "preemptions", "prefix_queries", "prefix_hits", "scheduler_switches",
             "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")
-
-
-def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future:
-    """`fn(*args)` in a daemon thread of its own, awaitable. Not the loop's executor: `asyncio.run` joins the
-    executor's threads on exit, so a server told to exit at once would wait for an engine build to end."""
-    loop = asyncio.get_running_loop()
-    fut = loop.create_future()
-
-    def settle(result: Any, error: BaseException | None) -> None:
-        if fut.done():
-            return
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(result)
-
-    def run() -> None:
-        try:
-            result, error = fn(*args), None
-        except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
-            result, error = None, e
-        try:
-            loop.call_soon_threadsafe(settle, result, error)
-        except RuntimeError:  # the event loop is closed: the server has exited
-            pass
-
-    threading.Thread(target=run, name="conveyor-engine-restart", daemon=True).start()
-    return fut
 
 
 class AsyncEngine:
@@ -684,7 +656,7 @@ class AsyncEngine:
             if self._stopping:
                 return
             try:
-                client = await _in_daemon_thread(self._replace, dict(self._strategy))
+                client = await in_daemon_thread(self._replace, dict(self._strategy), name="conveyor-engine-restart")
                 break
             except Exception as e:  # the new engine did not start
                 error = f"a new engine failed to start: {type(e).__name__}: {e}"

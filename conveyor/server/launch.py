@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import gc
 import logging
 import signal
 import socket
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +29,7 @@ from starlette.responses import JSONResponse, Response
 
 from conveyor import startup
 from conveyor.server.args import KEEP_ALIVE_S, RETRY_AFTER_S, ServerArgs
+from conveyor.server.threads import in_daemon_thread
 
 log = logging.getLogger("conveyor.server")
 
@@ -125,34 +124,9 @@ class LoadingApp:
                 log.exception("error while stopping the engine")
         await send({"type": "lifespan.shutdown.complete"})
 
-    def _load_in_thread(self) -> asyncio.Future:
-        """`load()` in a daemon thread of its own, not the loop's executor: `asyncio.run` joins the
-        executor's threads on exit, so a server stopped mid-load would wait for the load to end."""
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-
-        def settle(result: Any, error: BaseException | None) -> None:
-            if fut.done():
-                return
-            if error is not None:
-                fut.set_exception(error)
-            else:
-                fut.set_result(result)
-
-        def run() -> None:
-            try:
-                result, error = self.load(), None
-            except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
-                result, error = None, e
-            with contextlib.suppress(RuntimeError):  # the loop is already closed: the server stopped
-                loop.call_soon_threadsafe(settle, result, error)
-
-        threading.Thread(target=run, name="conveyor-load", daemon=True).start()
-        return fut
-
     async def _load(self) -> None:
         try:
-            inner = await self._load_in_thread()
+            inner = await in_daemon_thread(self.load, name="conveyor-load")
             self.progress.set(startup.STARTING, "the engine loop")
             ctx = inner.router.lifespan_context(inner)
             await ctx.__aenter__()
