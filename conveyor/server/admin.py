@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from fastapi import FastAPI
+from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -25,21 +25,19 @@ from conveyor.server.async_engine import AsyncEngine, EngineDeadError
 from conveyor.server.http import bad_request, engine_error
 
 
-def install_admin_routes(app: FastAPI, aengine: AsyncEngine, check_key: Callable[[Request], None],
-                         read_body: Callable) -> None:
-    """`read_body(request)`: the request's JSON object (400/413 otherwise), as the API reads bodies."""
+def install_admin_routes(router: APIRouter, aengine: AsyncEngine, read_body: Callable) -> None:
+    """The routes on `router` (which checks the API key); `read_body(request)`: the request's JSON object
+    (400/413 otherwise), as the API reads bodies."""
 
-    @app.get("/admin/scheduler")
+    @router.get("/admin/scheduler")
     async def get_scheduler(request: Request) -> Response:
-        check_key(request)
         s = aengine.stats()
         return JSONResponse({"scheduler": s.scheduler, "switches": s.scheduler_switches,
                              "available": {name: {"summary": spec.summary, "options": [o.name for o in spec.options]}
                                            for name, spec in POLICIES.items()}})
 
-    @app.post("/admin/scheduler")
+    @router.post("/admin/scheduler")
     async def set_scheduler(request: Request) -> Response:
-        check_key(request)
         data = await read_body(request)
         name = data.get("scheduler")
         if not isinstance(name, str):

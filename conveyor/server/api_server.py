@@ -17,7 +17,7 @@ import logging
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 
-from fastapi import FastAPI
+from fastapi import APIRouter, Depends, FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
@@ -177,7 +177,8 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
     app.state.dashboard = hub
     app.state.batch = batch
 
-    check_key = ApiKeys(args.api_key).check
+    # every route that needs the API key lives on this router: the check is said once, as its dependency
+    keyed = APIRouter(dependencies=[Depends(ApiKeys(args.api_key).check)])
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError) -> JSONResponse:
@@ -194,37 +195,30 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
         return JSONResponse(P.error_body(f"internal error: {type(e).__name__}", "internal_error",
                                          code="internal_error"), status_code=500)
 
-    @app.post("/v1/completions")
+    @keyed.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        check_key(request)
         return await serving.completions.create(await read_json(request, args.max_request_bytes), request)
 
-    @app.post("/v1/chat/completions")
+    @keyed.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        check_key(request)
         return await serving.chat.create(await read_json(request, args.max_request_bytes), request)
 
-    @app.post("/v1/embeddings")
+    @keyed.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
-        check_key(request)
         return await serving.embeddings.create(await read_json(request, args.max_request_bytes), request)
 
-    install_responses_routes(app, serving.responses, check_key,
-                             lambda request: read_json(request, args.max_request_bytes))
+    install_responses_routes(keyed, serving.responses, lambda request: read_json(request, args.max_request_bytes))
 
-    @app.post("/tokenize")
+    @keyed.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        check_key(request)
         return await serving.tokenization.tokenize_endpoint(await read_json(request, args.max_request_bytes))
 
-    @app.post("/detokenize")
+    @keyed.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        check_key(request)
         return await serving.tokenization.detokenize_endpoint(await read_json(request, args.max_request_bytes))
 
-    @app.get("/v1/models")
+    @keyed.get("/v1/models")
     async def models(request: Request) -> Response:
-        check_key(request)
         cards = [P.ModelCard(id=name, root=engine_config.model, max_model_len=info.max_model_len)
                  for name in ctx.model_names]
         cards += [P.ModelCard(id=name, root=lora.lora_path, parent=ctx.model_names[0],
@@ -232,7 +226,7 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
         return Response(P.ModelList(data=cards).model_dump_json(), media_type="application/json")
 
     if runtime_updating_allowed(args.allow_runtime_lora_updating):
-        add_runtime_routes(app, loras, check_key, lambda request: read_json(request, args.max_request_bytes))
+        add_runtime_routes(keyed, loras, lambda request: read_json(request, args.max_request_bytes))
 
     @app.get("/health")
     async def health() -> Response:
@@ -249,9 +243,8 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
         """The live view (static page; its data stream below is checked like the API)."""
         return HTMLResponse(dashboard_html())
 
-    @app.get("/dashboard/events")
+    @keyed.get("/dashboard/events")
     async def dashboard_events(request: Request) -> Response:
-        check_key(request)
         return StreamingResponse(hub.stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -259,8 +252,9 @@ def build_app(engine_config: EngineConfig, server_args: ServerArgs | argparse.Na
     async def metrics_endpoint() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    install_admin_routes(app, aengine, check_key, lambda request: read_json(request, args.max_request_bytes))
-    batch.install(app, check_key, args.max_request_bytes)
+    install_admin_routes(keyed, aengine, lambda request: read_json(request, args.max_request_bytes))
+    batch.install(keyed, args.max_request_bytes)
+    app.include_router(keyed)
 
     return app
 

@@ -16,7 +16,7 @@ import itertools
 import os
 import threading
 
-from fastapi import FastAPI
+from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -88,8 +88,9 @@ def runtime_updating_allowed(flag: bool) -> bool:
     return flag or os.environ.get(RUNTIME_ENV, "").lower() in ("1", "true", "yes")
 
 
-def add_runtime_routes(app: FastAPI, registry: LoRARegistry, check_key, read_body) -> None:
-    """vLLM's runtime load/unload endpoints (only mounted when allowed: otherwise they are 404)."""
+def add_runtime_routes(router: APIRouter, registry: LoRARegistry, read_body) -> None:
+    """vLLM's runtime load/unload endpoints on `router`, which checks the API key (only mounted when allowed:
+    otherwise they are 404)."""
     serving = registry.serving
 
     def field(data: dict, key: str, required: bool = True) -> str | None:
@@ -100,9 +101,8 @@ def add_runtime_routes(app: FastAPI, registry: LoRARegistry, check_key, read_bod
             raise bad_request(f"'{key}' must be a non-empty string", key)
         return value
 
-    @app.post("/v1/load_lora_adapter")
+    @router.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request) -> Response:
-        check_key(request)
         data = await read_body(request)
         name, path = field(data, "lora_name"), field(data, "lora_path")
         try:  # reads the weights to check them: off the event loop
@@ -111,9 +111,8 @@ def add_runtime_routes(app: FastAPI, registry: LoRARegistry, check_key, read_bod
             raise bad_request(str(e), "lora_path" if isinstance(e, AdapterError) else "lora_name") from None
         return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
 
-    @app.post("/v1/unload_lora_adapter")
+    @router.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: Request) -> Response:
-        check_key(request)
         data = await read_body(request)
         name = field(data, "lora_name")
         lora = registry.remove(name)

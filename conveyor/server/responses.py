@@ -29,6 +29,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
+from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -442,26 +443,22 @@ class ResponsesStream(StreamFormat):
         return ()
 
 
-def install_responses_routes(app, responses: OpenAIServingResponses, check_key: Callable[[Request], None],
+def install_responses_routes(router: APIRouter, responses: OpenAIServingResponses,
                              read_json: Callable[[Request], Awaitable[dict]]) -> None:
-    """The routes of `/v1/responses` (`check_key`: the server's API-key check; `read_json`: its body reader)."""
+    """The routes of `/v1/responses` on `router` (which checks the API key; `read_json`: the body reader)."""
 
-    @app.post("/v1/responses")
+    @router.post("/v1/responses")
     async def create_response(request: Request) -> Response:
-        check_key(request)
         return await responses.create(await read_json(request), request)
 
-    @app.get("/v1/responses/{response_id}")
+    @router.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str, request: Request) -> Response:
-        check_key(request)
         return await responses.retrieve(response_id, request)
 
-    @app.delete("/v1/responses/{response_id}")
+    @router.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str, request: Request) -> Response:
-        check_key(request)
         return await responses.delete(response_id, request)
 
-    @app.get("/v1/responses/{response_id}/input_items")
+    @router.get("/v1/responses/{response_id}/input_items")
     async def response_input_items(response_id: str, request: Request) -> Response:
-        check_key(request)
         return await responses.input_items(response_id, request)

@@ -24,7 +24,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import APIRouter
 from prometheus_client import Counter
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -419,52 +419,43 @@ class BatchService:
         return JSONResponse(store.get_batch(None, batch_id).to_api())
 
     # --- routes ---------------------------------------------------------------------------------------------
-    def install(self, app: FastAPI, check_key, max_request_bytes: int) -> None:
-        """Mount the routes on `app`; `check_key(request)`: the API's key check."""
+    def install(self, router: APIRouter, max_request_bytes: int) -> None:
+        """Mount the routes on `router`, which checks the API key."""
 
-        @app.post("/v1/files")
+        @router.post("/v1/files")
         async def upload(request: Request) -> Response:
-            check_key(request)
             return await self.upload(request)
 
-        @app.get("/v1/files")
+        @router.get("/v1/files")
         async def list_files(request: Request) -> Response:
-            check_key(request)
             return await self.list_files(request)
 
-        @app.get("/v1/files/{file_id}")
+        @router.get("/v1/files/{file_id}")
         async def get_file(request: Request, file_id: str) -> Response:
-            check_key(request)
             return await self.get_file(request, file_id)
 
-        @app.get("/v1/files/{file_id}/content")
+        @router.get("/v1/files/{file_id}/content")
         async def file_content(request: Request, file_id: str) -> Response:
-            check_key(request)
             return await self.file_content(request, file_id)
 
-        @app.delete("/v1/files/{file_id}")
+        @router.delete("/v1/files/{file_id}")
         async def delete_file(request: Request, file_id: str) -> Response:
-            check_key(request)
             return await self.delete_file(request, file_id)
 
-        @app.post("/v1/batches")
+        @router.post("/v1/batches")
         async def create_batch(request: Request) -> Response:
-            check_key(request)
             return await self.create_batch(request, await read_json(request, max_request_bytes))
 
-        @app.get("/v1/batches")
+        @router.get("/v1/batches")
         async def list_batches(request: Request) -> Response:
-            check_key(request)
             return await self.list_batches(request)
 
-        @app.get("/v1/batches/{batch_id}")
+        @router.get("/v1/batches/{batch_id}")
         async def get_batch(request: Request, batch_id: str) -> Response:
-            check_key(request)
             return await self.get_batch(request, batch_id)
 
-        @app.post("/v1/batches/{batch_id}/cancel")
+        @router.post("/v1/batches/{batch_id}/cancel")
         async def cancel_batch(request: Request, batch_id: str) -> Response:
-            check_key(request)
             return await self.cancel_batch(request, batch_id)
 
 
