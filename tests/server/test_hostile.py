@@ -151,3 +151,34 @@ def test_hostile_requests(server):
     assert after["conveyor:engine_alive"] == 1
     # none of the rejected requests reached the engine: only the two good ones added prompt tokens
     assert after["conveyor:request_success_total"] - before["conveyor:request_success_total"] == 2
+
+
+OPEN_PATHS = {"/health", "/version", "/dashboard", "/metrics"}  # what a probe or a browser reads without a key
+
+
+def test_every_route_but_the_open_ones_asks_for_the_key(server):
+    """Walks the app's own route table, so a route added later without the key check fails here."""
+    from starlette.routing import Route
+
+    def flat(routes) -> list[Route]:  # FastAPI 0.165 keeps an included router as one entry of its own
+        out = []
+        for r in routes:
+            inner = getattr(r, "original_router", None)
+            out += flat(inner.routes) if inner is not None else [r] if isinstance(r, Route) else []
+        return out
+
+    routes = flat(server.app.routes)
+    assert {r.path for r in routes} >= OPEN_PATHS | {"/v1/completions", "/v1/batches", "/v1/responses"}
+    open_, keyless = [], []
+    with httpx.Client(timeout=30) as c:
+        for route in routes:
+            path = route.path.replace("{", "").replace("}", "")  # path parameters: any value will do
+            for method in sorted(route.methods - {"HEAD"}):
+                r = c.request(method, server.url + path, headers={"Authorization": "Bearer wrong"})
+                if route.path in OPEN_PATHS:
+                    if r.status_code == 401:
+                        keyless.append(f"{method} {route.path}")
+                elif r.status_code != 401 or r.json()["error"]["code"] != "invalid_api_key":
+                    open_.append(f"{method} {route.path}: {r.status_code}")
+    assert not open_, f"routes answered without the API key: {open_}"
+    assert not keyless, f"open routes asked for a key: {keyless}"
