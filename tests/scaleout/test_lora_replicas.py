@@ -19,21 +19,11 @@ from conveyor.cli import build_parser, main
 from conveyor.config import EngineConfig
 from conveyor.scaleout.lora import check_lora_modules, lora_affinity_key
 from conveyor.server.api_server import ServerArgs
-from tests.lora.peft_adapters import ALL_PROJECTIONS, make_adapter
 
 from ..server.conftest import MODEL
-from .test_ray_serve import ReplicatedServer, ray_ok  # noqa: F401 - the Ray probe fixture
+from .conftest import ReplicatedServer
 
 MAX_TOKENS = 6
-
-
-@pytest.fixture(scope="module")
-def adapter_dirs(tiny_llama, tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("replica-adapters")
-    specs = {"a": (4, ALL_PROJECTIONS), "b": (8, ["q_proj", "v_proj", "down_proj"]), "c": (2, ["gate_proj"]),
-             "wide": (32, ["q_proj"])}
-    return {n: str(make_adapter(tiny_llama, root / n, r, t, seed=70 + i)) for i, (n, (r, t)) in
-            enumerate(specs.items())}
 
 
 def test_lora_flags_reach_the_replicas_server_args(tiny_llama, adapter_dirs):
@@ -83,24 +73,14 @@ def test_prefix_affinity_is_per_adapter():
     assert lora_affinity_key("a", MODEL, None) is None
 
 
-@pytest.fixture(scope="module")
-def lora_replicas(ray_ok, tiny_llama, adapter_dirs):  # noqa: F811
-    """Two replicas, least-loaded routing (consecutive requests alternate replicas), two adapters at startup."""
-    s = ReplicatedServer(tiny_llama, "least-loaded", api_key=True, extra=(
-        "--enable-lora", "--max-loras", "2", "--lora-modules", f"a={adapter_dirs['a']}", f"b={adapter_dirs['b']}",
-        "--allow-runtime-lora-updating"))
-    yield s
-    s.close()
-
-
 def _complete(srv: ReplicatedServer, model: str, prompt: list[int]) -> httpx.Response:
     return httpx.post(srv.url + "/v1/completions", headers=srv.headers, timeout=120,
                       json={"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
                             "ignore_eos": True})
 
 
-def test_adapters_on_every_replica(lora_replicas, tiny_llama, adapter_dirs):
-    srv = lora_replicas
+def test_adapters_on_every_replica(least_loaded_server, tiny_llama, adapter_dirs):
+    srv = least_loaded_server
     cards = {m["id"]: m for m in httpx.get(srv.url + "/v1/models", headers=srv.headers, timeout=30).json()["data"]}
     assert set(cards) == {MODEL, "a", "b"}
     assert cards["a"]["parent"] == MODEL and cards["a"]["root"] == adapter_dirs["a"]

@@ -6,11 +6,8 @@ Skipped, with the reason, where Ray is not installed or cannot start a local ins
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -18,7 +15,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..server.conftest import API_KEY, MODEL, bound_url, popen_server, server_output
+from ..server.conftest import API_KEY, MODEL, server_output
+from .conftest import SECOND_KEY, ReplicatedServer
 
 SYSTEMS = {
     "A": "You are the assistant of a small bakery. You answer in one sentence about bread, cakes and opening hours. "
@@ -26,85 +24,6 @@ SYSTEMS = {
     "B": "You are a railway timetable helper. You answer questions about trains, platforms and connections, "
          "with times in 24-hour format, and you say so plainly when you do not know. " * 2,
 }
-
-
-def _ray_probe() -> str | None:
-    """Why Ray cannot run here, or None."""
-    if importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.serve") is None:
-        return "Ray Serve is not installed; pip install 'conveyor[ray]'"
-    code = "import ray; ray.init(include_dashboard=False, num_cpus=1); ray.shutdown()"
-    try:
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
-    except subprocess.TimeoutExpired:
-        return "a local Ray instance did not start within 180 s"
-    return None if r.returncode == 0 else f"a local Ray instance cannot start here: {r.stderr[-500:]}"
-
-
-@pytest.fixture(scope="module")
-def ray_ok() -> None:
-    why = _ray_probe()
-    if why:
-        print(f"\nskipping the Ray Serve tests: {why}")
-        pytest.skip(why)
-
-
-class ReplicatedServer:
-    """`conveyor serve --replicas 2` in its own process (and its own local Ray instance)."""
-
-    def __init__(self, tiny_llama, router: str, api_key: bool | str = False, extra: tuple[str, ...] = ()) -> None:
-        """`api_key`: True for `--api-key API_KEY`, or the flag's value (`k1,k2`: several keys)."""
-        keys = API_KEY if api_key is True else api_key
-        self.proc = popen_server([
-            sys.executable, "-m", "conveyor", "serve", "--replicas", "2", "--router", router, "--replica-cpus", "1",
-            "--model", str(tiny_llama), "--served-model-name", MODEL, "--dtype", "float32", "--port", "0",
-            "--kv-cache-memory", "0.01", "--max-model-len", "512", "--disable-log-requests",
-            "--uvicorn-log-level", "warning", *(["--api-key", keys] if keys else []), *extra])
-        self.headers = {"Authorization": f"Bearer {keys.split(',')[0]}"} if keys else {}
-        self.url = bound_url(self.proc)  # bound before Ray starts
-        deadline = time.monotonic() + 240
-        while True:
-            assert self.proc.poll() is None, server_output(self.proc)[-5000:]
-            try:
-                if self.health().get("status") == "ok":
-                    break
-            except (httpx.TransportError, ValueError):
-                pass
-            assert time.monotonic() < deadline, "replicas did not come up:\n" + server_output(self.proc)[-5000:]
-            time.sleep(0.5)
-
-    def health(self) -> dict:
-        return httpx.get(self.url + "/health", timeout=10).json()
-
-    def client(self):
-        import openai
-
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=API_KEY if self.headers else "none", max_retries=0,
-                             timeout=120)
-
-    def metrics_by_replica(self) -> dict[str, dict[str, float]]:
-        """/metrics as {replica: {sample name: value summed over its other labels}}."""
-        out: dict[str, dict[str, float]] = {}
-        for fam in text_string_to_metric_families(httpx.get(self.url + "/metrics", timeout=30).text):
-            for s in fam.samples:
-                if "replica" in s.labels and "reason" not in s.labels:
-                    d = out.setdefault(s.labels["replica"], {})
-                    d[s.name] = d.get(s.name, 0.0) + s.value
-        return out
-
-    def hit_rate(self) -> float:
-        m = self.metrics_by_replica()
-        hits = sum(d.get("conveyor:prefix_cache_hits_total", 0.0) for d in m.values())
-        queries = sum(d.get("conveyor:prefix_cache_queries_total", 0.0) for d in m.values())
-        return hits / queries
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 def chat_stream(client, group: str, i: int, max_tokens: int = 12) -> tuple[str, str]:
@@ -139,20 +58,8 @@ def shared_prefix_round(server: ReplicatedServer) -> dict[str, list[str]]:
     return placed
 
 
-SECOND_KEY = "test-key-2"
-
-
-@pytest.fixture(scope="module")
-def prefix_server(ray_ok, tiny_llama):
-    """Two API keys (API_KEY first) and the tenant from a header: the ingress must keep both rules as the single
-    server does (`test_every_key_and_the_tenant_header_pass_the_ingress`)."""
-    s = ReplicatedServer(tiny_llama, "prefix", api_key=f"{API_KEY},{SECOND_KEY}",
-                         extra=("--tenant-key", "header:x-tenant"))
-    yield s
-    s.close()
-
-
-def test_routers_two_replicas_share_the_traffic_and_prefix_routing_raises_the_hit_rate(prefix_server, tiny_llama):
+def test_routers_two_replicas_share_the_traffic_and_prefix_routing_raises_the_hit_rate(prefix_server,
+                                                                                       least_loaded_server):
     placed = shared_prefix_round(prefix_server)
     # prefix: each system prompt stays on one replica, and the two prompts took different ones
     assert len(set(placed["A"])) == 1 and len(set(placed["B"])) == 1, placed
@@ -163,12 +70,9 @@ def test_routers_two_replicas_share_the_traffic_and_prefix_routing_raises_the_hi
         assert d["conveyor:request_success_total"] >= 9, (rep, d)
     prefix_rate = prefix_server.hit_rate()
 
-    least = ReplicatedServer(tiny_llama, "least-loaded")
-    try:
-        placed_ll = shared_prefix_round(least)
-        least_rate = least.hit_rate()
-    finally:
-        least.close()
+    before = least_loaded_server.prefix_counts()  # (the LoRA tests may have used it first)
+    placed_ll = shared_prefix_round(least_loaded_server)
+    least_rate = least_loaded_server.hit_rate(since=before)
     assert len(set(placed_ll["A"])) == 2, placed_ll  # least-loaded spreads a shared prompt over both
     print(f"\nprefix hit rate: prefix router {prefix_rate:.3f}, least-loaded {least_rate:.3f}")
     assert prefix_rate > least_rate
