@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import random
 import sys
@@ -424,12 +425,17 @@ class SoakResult:
 async def soak(url: str, *, duration_s: float = 1200.0, warmup_s: float | None = None, clients: int = 12,
                rss_every_s: float = 10.0, max_tokens: tuple[int, int] = (16, 96),
                prompt_words: tuple[int, int] = (4, 40), api_key: str | None = None,
-               pid: int | None = None, seed: int = 0) -> SoakResult:
+               pid: int | None = None, seed: int = 0, warmup_requests: int = 0) -> SoakResult:
     """`clients` closed-loop clients send a mix for `duration_s`, each kind a seventh of the requests:
     plain and streamed completions, chat streams, n=2, chat streams under shared system prompts
     (prefix-cache hits), logprobs, and streams cut after a random number of chunks. RSS is sampled
     every `rss_every_s`; after the warm-up (default: a third of the run) it must stay within 5% of
-    its first post-warm-up sample. Every request that was not cut must succeed."""
+    its first post-warm-up sample. Every request that was not cut must succeed.
+
+    The warm-up lasts `warmup_s` and until `warmup_requests` requests are done, and the run goes on for
+    `duration_s - warmup_s` after it: on a slow or shared machine the server has seen fewer shapes by a given
+    time (memory its allocator keeps for the largest ones it met), and a warm-up by the clock alone would
+    read that as growth."""
     warmup_s = duration_s / 3 if warmup_s is None else warmup_s
     failures: list[str] = []
     done = Counter()
@@ -476,23 +482,32 @@ async def soak(url: str, *, duration_s: float = 1200.0, warmup_s: float | None =
                 failures.append(f"{kind}: status {status}: {str(s)[:200]}")
             done[kind] += 1
 
-        async def closed_loop(i: int, deadline: float) -> None:
+        deadline = [math.inf]  # set when the warm-up ends
+        warmed = [warmup_s]  # seconds from the watch's start to the warm-up's end
+
+        async def closed_loop(i: int) -> None:
             r = random.Random(seed * 31 + i)
-            while time.monotonic() < deadline:
+            while time.monotonic() < deadline[0]:
                 await one(r)
+
+        async def warm_up() -> None:
+            await asyncio.sleep(warmup_s)
+            while sum(done.values()) < warmup_requests:
+                await asyncio.sleep(0.1)
+            warmed[0] = time.monotonic() - watch.t0
+            deadline[0] = time.monotonic() + max(duration_s - warmup_s, 0.0)
 
         watch = Watch(url, pid, every_s=1.0, rss_every_s=rss_every_s)
         async with watch:
-            deadline = time.monotonic() + duration_s
-            await asyncio.gather(*(closed_loop(i, deadline) for i in range(clients)))
+            await asyncio.gather(warm_up(), *(closed_loop(i) for i in range(clients)))
             rss = watch.rss_now()
             if rss is not None:
                 watch.rss.append((time.monotonic() - watch.t0, rss))
             after = await wait_idle(client)
     mb = 2**20
     series = [(round(t, 1), round(b / mb, 1)) for t, b in watch.rss]
-    post = [b for t, b in series if t >= warmup_s]
-    return SoakResult(duration_s=duration_s, warmup_s=warmup_s, requests=sum(done.values()), failures=failures,
+    post = [b for t, b in series if t >= warmed[0]]
+    return SoakResult(duration_s=duration_s, warmup_s=warmed[0], requests=sum(done.values()), failures=failures,
                       rss_mb=series, rss_after_warmup_mb=post[0] if post else None,
                       rss_max_after_warmup_mb=max(post) if post else None,
                       growth=max(post) / post[0] - 1 if len(post) > 1 else None, after=idle_gauges(after))

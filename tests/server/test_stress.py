@@ -91,12 +91,14 @@ def test_disconnect_storm_leaves_nothing_behind(tiny_llama):
 
 def test_soak_rss_flat(tiny_llama):
     """The suite's 35-second soak (the 20-minute one is `conveyor bench stress soak`): a mixed load of
-    12 clients; every request that was not cut succeeds, and after a 20 s warm-up RSS grows < 5% (the
-    tiny model's default KV pool is a few MB, touched within seconds: the 2-minute run of this test
-    read 600 MB at 10 s, 615 MB at 20 s, 621 MB at 30 s and 635 MB at its end)."""
+    12 clients; every request that was not cut succeeds, and after a warm-up of 20 s and 1,000 requests RSS
+    grows < 5% over the next 15 s (the tiny model's default KV pool is a few MB, touched within seconds: the
+    2-minute run of this test read 600 MB at 10 s, 615 MB at 20 s, 621 MB at 30 s and 635 MB at its end; a
+    quiet run does about 1,200 requests in 20 s, and a run beside the rest of a busy machine read 29% growth
+    after a clock-only warm-up, the allocator still meeting new shapes)."""
     with ServerProc(tiny_llama, "--max-num-seqs", "32") as srv:
         r = asyncio.run(soak(srv.url, duration_s=35.0, warmup_s=20.0, clients=12, rss_every_s=5.0,
-                             max_tokens=(16, 48), pid=srv.proc.pid))
+                             max_tokens=(16, 48), pid=srv.proc.pid, warmup_requests=1000))
         keep("soak", r)
         srv.check(r.problems())
         assert r.requests > 100 and r.growth is not None
