@@ -233,6 +233,9 @@ def cmd_study(argv: list[str]) -> int:
     if path is None:
         print(f"conveyor bench study: error: no study {name!r}; the studies: {', '.join(found)}", file=sys.stderr)
         return 2
+    if path.suffix == ".sh" and args[:1] in (["-h"], ["--help"]):  # a shell script takes no --help: its header
+        print("\n".join(line.lstrip("#") for line in path.read_text().splitlines()[1:] if line.startswith("#")))
+        return 0
     cmd = [sys.executable, str(path), *args] if path.suffix == ".py" else ["bash", str(path), *args]
     typed = list(getattr(sys, "orig_argv", None) or sys.argv)
     if len(typed) > 1 and Path(typed[1]).name == "conveyor":  # the console script: as the user typed it
