@@ -154,13 +154,7 @@ class Study:
         self.name = name or Path(sys.argv[0]).stem
         self.command = list(argv) if argv is not None else _argv()
         self.started = utc_now()
-        self._machine: dict[str, Any] | None = None
-
-    @property
-    def machine(self) -> dict[str, Any]:
-        if self._machine is None:  # once, at the first write: the load average is the start's
-            self._machine = machine()
-        return self._machine
+        self.machine = machine()  # at the start: the load average before the study adds its own
 
     def document(self, results: Any, final: bool = True) -> dict[str, Any]:
         return {"study": self.name, "command": self.command, "machine": self.machine, "started": self.started,
@@ -299,23 +293,24 @@ class Server:
     def wait_bound(self, timeout: float | None = None) -> str:
         """The server's URL, once known (`port=0`: once its log names the port)."""
         assert self.proc is not None and self.started is not None, "start() first"
-        deadline = time.monotonic() + (self.ready_timeout if timeout is None else timeout)
+        limit = self.ready_timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
         while not self.port:
             m = BOUND.search(self.log_text())
             if m:
                 self.port, self.bound_s = int(m.group(1)), time.monotonic() - self.started
                 break
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode} before it listened:\n"
-                                   + self.log_text()[-3000:])
+                raise RuntimeError(f"the server exited with {self.proc.returncode} before it listened")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the server named no port within {timeout} s; see {self.log_path}")
+                raise TimeoutError(f"the server named no port within {limit:g} s")
             time.sleep(min(self.poll_s, 0.05))
         return self.url
 
-    def wait_ready(self, timeout: float | None = None,
-                   on_answer: Callable[[httpx.Response], None] | None = None) -> float:
-        """Seconds from the start to `/health` 200 (raises, with the log's end, if it exits or times out)."""
+    def wait_ready(self, timeout: float | None = None, on_answer: Callable[[httpx.Response], None] | None = None,
+                   log_tail: int = 3000) -> float:
+        """Seconds from the start to `/health` 200. Raises if the server exits first or after `timeout`, the
+        error naming the log and quoting its last `log_tail` characters."""
         assert self.started is not None, "start() first"
         timeout = self.ready_timeout if timeout is None else timeout
         try:
@@ -323,7 +318,8 @@ class Server:
             left = timeout - (time.monotonic() - self.started)
             return wait_health(self.url, self.proc, left, self.poll_s, on_answer) - self.started
         except (RuntimeError, TimeoutError) as e:
-            raise type(e)(f"{e}\n--- the server's log ({self.log_path}), its end:\n{self.log_text()[-3000:]}") from e
+            tail = f", its end:\n{self.log_text()[-log_tail:]}" if log_tail else ""
+            raise type(e)(f"{e} (the server's log: {self.log_path}{tail})") from e
 
     def stop(self) -> int | None:
         """SIGTERM, `stop_timeout` seconds, then SIGKILL to what is left of the tree; the exit code."""
