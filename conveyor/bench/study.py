@@ -251,6 +251,7 @@ class Server:
         self.proc: subprocess.Popen | None = None
         self.started: float | None = None  # time.monotonic() just before the process was started
         self.bound_s: float | None = None  # port=0: seconds from the start to the log naming the port
+        self.ready_s: float | None = None  # seconds from the start to /health 200
         self._log_from = 0
 
     @property
@@ -316,7 +317,8 @@ class Server:
         try:
             self.wait_bound(timeout)
             left = timeout - (time.monotonic() - self.started)
-            return wait_health(self.url, self.proc, left, self.poll_s, on_answer) - self.started
+            self.ready_s = wait_health(self.url, self.proc, left, self.poll_s, on_answer) - self.started
+            return self.ready_s
         except (RuntimeError, TimeoutError) as e:
             tail = f", its end:\n{self.log_text()[-log_tail:]}" if log_tail else ""
             raise type(e)(f"{e} (the server's log: {self.log_path}{tail})") from e
@@ -349,7 +351,8 @@ class Server:
             self.log.close()
         return code
 
-    def __enter__(self) -> Server:
+    def up(self) -> Server:
+        """Started and ready (`ready_s`), or stopped and the error raised."""
         self.start()
         try:
             self.wait_ready()
@@ -357,6 +360,9 @@ class Server:
             self.stop()
             raise
         return self
+
+    def __enter__(self) -> Server:
+        return self.up()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
