@@ -26,7 +26,7 @@ import time
 
 import httpx
 
-from conveyor.bench.study import Server, Study, cpu_name, free_port
+from conveyor.bench.study import Server, Study, cpu_name, free_port, lab_run_command
 
 
 class SSEViewers:
@@ -79,10 +79,10 @@ class ChromiumViewers:
 
 def bench(url: str, model: str, num_prompts: int, out: str, shot_at: float | None = None,
           viewers: ChromiumViewers | None = None) -> dict:
-    proc = subprocess.Popen(["conveyor", "bench", "run", "--url", url, "--model", model, "--no-progress",
-                             "--concurrency", "64", "--num-prompts", str(num_prompts), "--input-len", "256",
-                             "--output-len", "128", "--range-ratio", "0.5", "--seed", "0", "--out", out],
-                            stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(lab_run_command(url, ["--model", model, "--no-progress", "--concurrency", "64",
+                                                  "--num-prompts", str(num_prompts), "--input-len", "256",
+                                                  "--output-len", "128", "--range-ratio", "0.5", "--seed", "0"], out),
+                            stdout=subprocess.DEVNULL)  # in the background: a screenshot is taken mid-run
     if shot_at is not None and viewers is not None and viewers.screenshot:
         time.sleep(shot_at)  # mid-run: the page under load
         viewers.pages[0].screenshot(path=viewers.screenshot, full_page=True)

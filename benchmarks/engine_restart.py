@@ -91,14 +91,11 @@ def thread_mode(model: str, name: str, kills: int, extra: list[str], log) -> dic
     from conveyor.cli import build_parser
     from conveyor.engine.args import engine_config_from_args
     from conveyor.server.api_server import ServerArgs, build_app
-    from conveyor.server.launch import GracefulServer
+    from conveyor.server.launch import GracefulServer, bind_listen_socket
 
     ns = build_parser().parse_args(["serve", "--model", model, "--served-model-name", name, *extra])
     cfg = engine_config_from_args(ns, {"kv_cache_populate": True}, served_model_name=name)
-    import socket
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
+    sock = bind_listen_socket("127.0.0.1", 0)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     app = build_app(cfg, ServerArgs(max_engine_restarts=kills + 1))
     uv = GracefulServer(app, grace_s=1.0, log_level="warning")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -22,7 +21,7 @@ import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from conveyor.bench.study import Server, Study, cpu_name, free_port
+from conveyor.bench.study import Server, Study, cpu_name, free_port, lab_run
 
 SETUPS = {  # name: (what it is, flags)
     "single": ("1 server, 2 threads", []),
@@ -73,16 +72,13 @@ def run_setup(name: str, args: argparse.Namespace) -> dict:
         startup = server.ready_s
         before, cpu_before = counters(url), cpu_seconds(server.pid)
         t_run = time.monotonic()
-        out = os.path.join(tempfile.mkdtemp(), "run.json")
-        subprocess.run(["conveyor", "bench", "run", "--url", url, "--model", args.model, "--no-progress",
-                        "--workload", "shared-prefix",
-                        "--num-prefixes", str(args.num_prefixes), "--prefix-len", str(args.prefix_len),
-                        "--input-len", "64", "--output-len", "64", "--num-prompts", str(args.num_prompts),
-                        "--concurrency", str(args.concurrency), "--seed", "0", "--out", out],
-                       check=True, stdout=subprocess.DEVNULL)
+        res = lab_run(url, ["--model", args.model, "--no-progress", "--workload", "shared-prefix",
+                            "--num-prefixes", str(args.num_prefixes), "--prefix-len", str(args.prefix_len),
+                            "--input-len", "64", "--output-len", "64", "--num-prompts", str(args.num_prompts),
+                            "--concurrency", str(args.concurrency), "--seed", "0"],
+                      os.path.join(tempfile.mkdtemp(), "run.json"))
         wall = time.monotonic() - t_run
         after, cpu_after = counters(url), cpu_seconds(server.pid)
-        res = json.load(open(out))
         delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
         q = delta.get("conveyor:prefix_cache_queries_total", 0.0)
         row = {

@@ -24,7 +24,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vs_vllm import LOADS  # noqa: E402
 
-from conveyor.bench.study import Server, Study, cpu_name  # noqa: E402
+from conveyor.bench.study import Server, Study, cpu_name, lab_run  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = {
@@ -85,10 +85,9 @@ def repeat_workload(url: str, max_tokens: int) -> dict:
 
 def load64(url: str, out: Path, log) -> dict:
     import subprocess
-    cmd = [sys.executable, "-m", "conveyor", "bench", "run", "--url", url, "--served-model", "smollm2-135m",
-           "--model", "smollm2-135m", "--dtype", "bfloat16", "--no-progress", "--out", str(out), *LOADS["64 clients"]]
-    subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)
-    r = json.loads(out.read_text())
+
+    r = lab_run(url, ["--served-model", "smollm2-135m", "--model", "smollm2-135m", "--dtype", "bfloat16",
+                      "--no-progress", *LOADS["64 clients"]], out, stdout=log, stderr=subprocess.STDOUT)
     return {"output_tok_s": r["output_throughput"], "ttft_p50_ms": 1000 * r["ttft_s"]["p50"],
             "tpot_p50_ms": 1000 * r["tpot_s"]["p50"]}
 

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from conveyor.bench.stats import FlopModel, attention_ctx_sum
-from conveyor.bench.study import Server, Study, TreeMemory, cpu_flags, read_result
+from conveyor.bench.study import Neighbours, Server, Study, TreeMemory, cpu_flags, lab_run, read_result
 
 REPO = Path(__file__).resolve().parent.parent
 # vLLM's client shim, in the team's shared/ folder beside the checkout (or beside a folder of work trees)
@@ -114,24 +114,6 @@ def model_dir(name: str, peers: Path) -> Path:
     if name in MODEL_DIRS:
         return MODEL_DIRS[name]
     return peers / "smollm2-hf" if name == "smollm2" else make_qwen_shape(peers)
-
-
-class Neighbours:
-    """`n` CPU-bound processes (`python -c "while True: pass"`, issue 48's neighbour) while a client runs."""
-
-    def __init__(self, n: int) -> None:
-        self.n, self.procs = n, []
-
-    def __enter__(self) -> Neighbours:
-        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(self.n)]
-        if self.n:
-            time.sleep(2)  # let the servers see them (conveyor re-checks its cores every 0.5 s)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for p in self.procs:
-            p.kill()
-            p.wait()
 
 
 # conveyor's flags for a GGUF file by its format: none, its defaults are what a user gets (a GGUF file whose layer
@@ -224,11 +206,9 @@ def vllm_client(url: str, model: str, load: str, mode: str, out: Path, args, log
 
 def our_client(url: str, model: str, load: str, out: Path, log) -> dict:
     """One run of `conveyor bench run --url` (token-id prompts, streaming, greedy: its only mode)."""
-    cmd = [sys.executable, "-m", "conveyor", "bench", "run", "--url", url, "--served-model", model, "--model",
-           "smollm2-135m", "--no-progress", "--out", str(out), *LOADS[load][1]]
     print(f"    conveyor client, {load}, greedy", flush=True)
-    subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **VLLM_ENV})
-    r = json.loads(out.read_text())
+    r = lab_run(url, ["--served-model", model, "--model", "smollm2-135m", "--no-progress", *LOADS[load][1]], out,
+                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **VLLM_ENV})
     return {"client": "conveyor bench run", "completed": r["completed"], "output_throughput": r["output_throughput"],
             "ttft_p50_ms": 1000 * r["ttft_s"]["p50"], "ttft_p99_ms": 1000 * r["ttft_s"]["p99"],
             "tpot_p50_ms": 1000 * r["tpot_s"]["p50"], "input_tokens": r["input_tokens"],
@@ -568,7 +548,8 @@ def main() -> int:
             for load in loads:
                 for nb in neighbours:  # quiet, then beside `nb` busy processes, for each load on this server
                     label = load + (f" +{nb} busy" if nb else "")
-                    with Neighbours(nb):
+                    # issue 48's neighbours; 2 s for the servers to see them (conveyor re-checks its cores every 0.5 s)
+                    with Neighbours(nb, settle_s=2.0):
                         for mode in modes:
                             stem = f"{model}_{server}_{variant}_{label.replace(' ', '-')}_{mode}"
                             key = "|".join([model, server, variant, label, mode])

@@ -7,6 +7,8 @@ A *study* is a runnable script in `benchmarks/` beside this package (`conveyor b
 - `pct`: the percentile the studies report (`stats.percentile`'s `rank` method: a sample that occurred);
 - `free_port`, `wait_health` and `Server`: a server subprocess (conveyor's, vLLM's, llama.cpp's) as a context
   manager that waits for `GET /health` 200 and ends its whole process tree on exit;
+- `lab_run`: the lab's HTTP client (`conveyor bench run --url`) as a process of its own, its result read back;
+- `Neighbours`: CPU-bound processes beside a measurement, a busy machine on purpose;
 - `TreeMemory`: the resident memory of a process tree, sampled in a thread;
 - `best_ms`: a callable's best time;
 - `machine()`: what the numbers were measured on (CPU model and the flags that decide the kernels, cores,
@@ -48,9 +50,9 @@ from conveyor.bench.stats import percentile
 from conveyor.kernels.decisions import FLAGS_OF_INTEREST
 from conveyor.kernels.variants import cpu_info, cpu_name
 
-__all__ = ["STUDIES", "STUDY_ARGV_ENV", "Server", "Study", "TreeMemory", "best_ms", "cpu_flags", "cpu_name",
-           "describe", "free_port", "git_commit", "is_result", "load_avg", "machine", "pct", "read_result", "studies",
-           "tree_memory", "utc_now", "wait_health"]
+__all__ = ["STUDIES", "STUDY_ARGV_ENV", "Neighbours", "Server", "Study", "TreeMemory", "best_ms", "cpu_flags",
+           "cpu_name", "describe", "free_port", "git_commit", "is_result", "lab_run", "lab_run_command", "load_avg",
+           "machine", "pct", "read_result", "studies", "tree_memory", "utc_now", "wait_health"]
 
 GiB = 2**30
 # set by `conveyor bench study` for the study it starts: the command the user typed, which the result records
@@ -366,6 +368,40 @@ class Server:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+# --- clients and neighbours ----------------------------------------------------------------------------------
+def lab_run_command(url: str, flags: Sequence[str], out: str | os.PathLike) -> list[str]:
+    """`conveyor bench run --url URL FLAGS --out OUT`: the lab's HTTP client, as a command of its own."""
+    return [sys.executable, "-m", "conveyor", "bench", "run", "--url", url, *flags, "--out", str(out)]
+
+
+def lab_run(url: str, flags: Sequence[str], out: str | os.PathLike, **popen: Any) -> dict[str, Any]:
+    """One run of the lab's HTTP client against `url` in a process of its own (its CPU is not the server's or
+    the study's); the result it wrote to `out` (`RunResult.to_json`'s shape). `popen`: `subprocess.run`'s
+    keywords (stdout, stderr, env); stdout is dropped unless given."""
+    popen.setdefault("stdout", subprocess.DEVNULL)
+    subprocess.run(lab_run_command(url, flags, out), check=True, **popen)
+    return json.loads(Path(out).read_text())
+
+
+class Neighbours:
+    """`n` CPU-bound processes (`python -c "while True: pass"`) beside what runs in the `with` block: a busy
+    machine on purpose. `settle_s`: seconds to wait after they start (for a server to notice its lost cores)."""
+
+    def __init__(self, n: int, settle_s: float = 0.0) -> None:
+        self.n, self.settle_s, self.procs = n, settle_s, []
+
+    def __enter__(self) -> Neighbours:
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(self.n)]
+        if self.n and self.settle_s:
+            time.sleep(self.settle_s)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs:
+            p.kill()
+            p.wait()
 
 
 # --- memory --------------------------------------------------------------------------------------------------
