@@ -246,13 +246,14 @@ def cmd_study(argv: list[str]) -> int:
            "PYTHONPATH": os.pathsep.join(filter(None, [str(folder.parent), os.environ.get("PYTHONPATH")]))}
     sys.stdout.flush()
     sys.stderr.flush()
-    if os.name == "posix":
-        import shutil
+    if os.name != "posix":
+        import subprocess
 
-        os.execve(shutil.which(cmd[0]) or cmd[0], cmd, env)  # the study replaces this process: its signals, its code
-    import subprocess
+        return subprocess.call(cmd, env=env)
+    import shutil
 
-    return subprocess.call(cmd, env=env)
+    os.execve(shutil.which(cmd[0]) or cmd[0], cmd, env)  # the study replaces this process: its signals, its exit code
+    raise AssertionError("unreachable: execve returned")
 
 
 def main(argv: list[str]) -> int:

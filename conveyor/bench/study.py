@@ -433,7 +433,7 @@ class TreeMemory(threading.Thread):
         self.ready_s: float | None = None
         self.last_rss = 0
         self.peak = {"loading": [0, 0], "serving": [0, 0]}  # phase -> [rss, pss] bytes
-        self._stop = threading.Event()
+        self._done = threading.Event()  # not _stop: threading.Thread has its own
         self.start()
 
     def ready(self) -> None:
@@ -453,12 +453,12 @@ class TreeMemory(threading.Thread):
                 self.last_rss = rss
                 peak = self.peak["loading" if self.ready_s is None else "serving"]
                 peak[0], peak[1] = max(peak[0], rss), max(peak[1], pss)
-            if self._stop.wait(self.every):
+            if self._done.wait(self.every):
                 return
 
     def result(self) -> dict[str, Any]:
         """Stops sampling: the time to ready and each phase's peaks in GiB."""
-        self._stop.set()
+        self._done.set()
         self.join(10)
         return {"ready_s": self.ready_s, **{f"peak_{kind}_{phase}_gib": round(v[i] / GiB, 2)
                                             for phase, v in self.peak.items() for i, kind in enumerate(("rss", "pss"))}}
