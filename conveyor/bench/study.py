@@ -55,8 +55,10 @@ __all__ = ["STUDIES", "STUDY_ARGV_ENV", "Neighbours", "Server", "Study", "TreeMe
            "machine", "pct", "read_result", "studies", "tree_memory", "utc_now", "wait_health"]
 
 GiB = 2**30
-# set by `conveyor bench study` for the study it starts: the command the user typed, which the result records
+# set by `conveyor bench study` for the study it starts: the command the user typed, which the result records.
+# Taken out of the environment on import, so the processes a study starts do not inherit it as theirs.
 STUDY_ARGV_ENV = "CONVEYOR_STUDY_ARGV"
+_TYPED_ARGV = os.environ.pop(STUDY_ARGV_ENV, None)
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -138,10 +140,9 @@ def utc_now() -> str:
 def _argv() -> list[str]:
     """The command that ran this process: what `conveyor bench study` was given, else this interpreter's own
     argv as typed (`sys.orig_argv`: `python benchmarks/x.py --flag`)."""
-    given = os.environ.get(STUDY_ARGV_ENV)
-    if given:
+    if _TYPED_ARGV:
         try:
-            return list(json.loads(given))
+            return list(json.loads(_TYPED_ARGV))
         except ValueError:
             pass
     return list(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])

@@ -4,6 +4,7 @@ one way to run them, and no script keeping a private copy of what the harness ow
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import os
 import random
@@ -55,12 +56,23 @@ def test_a_file_from_before_the_format_reads_as_its_payload(tmp_path: Path) -> N
 
 
 def test_the_command_is_the_processes_argv_or_what_bench_study_was_given(monkeypatch) -> None:
-    monkeypatch.delenv(study.STUDY_ARGV_ENV, raising=False)
+    monkeypatch.setattr(study, "_TYPED_ARGV", None)
     assert study.Study().command == list(sys.orig_argv)
-    monkeypatch.setenv(study.STUDY_ARGV_ENV, json.dumps(["conveyor", "bench", "study", "kv_disk", "all"]))
+    monkeypatch.setattr(study, "_TYPED_ARGV", json.dumps(["conveyor", "bench", "study", "kv_disk", "all"]))
     s = study.Study()
     assert s.command == ["conveyor", "bench", "study", "kv_disk", "all"]
     assert s.name == Path(sys.argv[0]).stem
+
+
+def test_a_study_takes_the_typed_command_for_itself_not_its_children() -> None:
+    child = f"import os; print(os.environ.get({study.STUDY_ARGV_ENV!r}))"
+    code = ("import json, subprocess, sys; from conveyor.bench import study; "
+            f"child = subprocess.run([sys.executable, '-c', {child!r}], capture_output=True, text=True); "
+            "print(json.dumps([study.Study('x').command, child.stdout.strip()]))")
+    env = {**os.environ, study.STUDY_ARGV_ENV: json.dumps(["conveyor", "bench", "study", "x", "--a"])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == [["conveyor", "bench", "study", "x", "--a"], "None"]
 
 
 # --- numbers -------------------------------------------------------------------------------------------------
@@ -122,8 +134,19 @@ def test_server_finds_its_port_waits_for_200_and_ends_its_whole_tree(tmp_path: P
     finally:
         server.stop()
     assert server.proc.poll() is not None
-    psutil.wait_procs(tree, timeout=5)
-    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in tree)
+
+    def alive() -> list:
+        out = []
+        for p in tree:
+            with contextlib.suppress(psutil.Error):
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(p)
+        return out
+
+    deadline = time.monotonic() + 5
+    while alive() and time.monotonic() < deadline:  # SIGKILL is delivered, not necessarily acted on, at once
+        time.sleep(0.01)
+    assert not alive()
     assert "engine" in Path(server.log_path).read_text()
     os.unlink(server.log_path)
 
