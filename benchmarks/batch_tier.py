@@ -36,54 +36,24 @@ from pathlib import Path
 import httpx
 import openai
 
+from conveyor.bench.study import Server, Study, cpu_name, load_avg, pct
+
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "bench"
 WORDS = ["river", "stone", "cloud", "lamp", "garden", "signal", "copper", "window", "harbor", "engine", "paper",
          "orbit"]
 
 
-def pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
 def prompt(rng: random.Random, words: int = 24) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-def load_avg() -> list[float]:
-    return list(os.getloadavg())
-
-
-def start_server(args, batch_dir: str, log) -> tuple[subprocess.Popen, str]:
+def server(args, batch_dir: str, log) -> Server:
+    """`conveyor serve` with a batch directory of its own, its lines appended to `log` (every server's)."""
     cmd = [sys.executable, "-m", "conveyor", "serve", "--model", args.model, "--served-model-name", MODEL,
            "--port", "0", "--max-num-seqs", str(args.max_num_seqs), "--batch-dir", batch_dir,
            "--disable-log-requests", "--max-queued-requests", "100000", *args.engine_args]
-    start = Path(log.name).stat().st_size  # this server's lines only (the log holds every server's)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "the server exited: " + Path(log.name).read_text()[-3000:]
-        m = re.search(r"bound \S+:(\d+); serving there", Path(log.name).read_bytes()[start:].decode(errors="replace"))
-        if m:
-            url = f"http://127.0.0.1:{m.group(1)}"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    return proc, url
-            except httpx.HTTPError:
-                pass
-        time.sleep(0.3)
-    raise RuntimeError("the server did not start")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    return Server(cmd, 0, env={**os.environ, "PYTHONPATH": str(REPO)}, log=log, ready_timeout=900, poll_s=0.3)
 
 
 def metric(url: str, name: str) -> float:
@@ -173,8 +143,8 @@ async def latency_part(url: str, args) -> dict:
         ttft = [x["first"] - x["sent"] for x in rs]
         tpot = [(x["last"] - x["first"]) / (x["tokens"] - 1) for x in rs if x["tokens"] > 1]
         return {"requests": len(rs), "errors": sum(1 for x in records if x["phase"].startswith(kind) and "error" in x),
-                "ttft_p50_ms": 1e3 * pct(ttft, 0.5), "ttft_p99_ms": 1e3 * pct(ttft, 0.99),
-                "tpot_p50_ms": 1e3 * pct(tpot, 0.5), "tpot_p99_ms": 1e3 * pct(tpot, 0.99)}
+                "ttft_p50_ms": 1e3 * pct(ttft, 50), "ttft_p99_ms": 1e3 * pct(ttft, 99),
+                "tpot_p50_ms": 1e3 * pct(tpot, 50), "tpot_p99_ms": 1e3 * pct(tpot, 99)}
 
     idle, busy = summary("idle"), summary("batch")
     return {"idle": idle, "beside_batch": busy, "rounds": rounds,
@@ -243,19 +213,16 @@ def main() -> int:
     p.add_argument("engine_args", nargs="*", help="more engine flags for both the server and LLM (after --), e.g. "
                    "-- --dtype float32")
     args = p.parse_args()
+    study = Study()
     args.engine_args = [*args.engine_args, "--batch-tier-quiet-s", str(args.batch_tier_quiet_s)]
     result: dict = {"model": args.model, "max_num_seqs": args.max_num_seqs, "args": {k: v for k, v in vars(args).items()
                                                                                        if k != "out"},
-                    "cpu": next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                                 if ln.startswith("model name")), "?"), "load_before": load_avg()}
+                    "cpu": cpu_name(), "load_before": load_avg()}
     work = Path(tempfile.mkdtemp(prefix="batch-tier-"))
     log = open(work / "server.log", "w+")  # noqa: SIM115 - the servers write here until the end
     if not args.skip_latency:
-        proc, url = start_server(args, str(work / "latency"), log)
-        try:
-            result["latency"] = asyncio.run(latency_part(url, args))
-        finally:
-            stop_server(proc)
+        with server(args, str(work / "latency"), log) as srv:
+            result["latency"] = asyncio.run(latency_part(srv.url, args))
         lat = result["latency"]
         print(f"TTFT p99 idle {lat['idle']['ttft_p99_ms']:.0f} ms, beside the batch "
               f"{lat['beside_batch']['ttft_p99_ms']:.0f} ms: {lat['ttft_p99_ratio']:.2f}x (bar 2x); TPOT p50 "
@@ -267,11 +234,8 @@ def main() -> int:
         path.write_bytes(content)
         rounds = []
         for r in range(args.rounds):
-            proc, url = start_server(args, str(work / f"alone{r}"), log)
-            try:
-                served = server_throughput(url, content)
-            finally:
-                stop_server(proc)
+            with server(args, str(work / f"alone{r}"), log) as srv:
+                served = server_throughput(srv.url, content)
             generated = generate_throughput(args, path)
             rounds.append({"batch": served, "llm_generate": generated, "ratio": served["tok_s"] / generated["tok_s"]})
             print(f"round {r}: batch {served['tok_s']:.1f} tok/s, LLM.generate {generated['tok_s']:.1f} tok/s: "
@@ -285,8 +249,7 @@ def main() -> int:
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+        study.write(args.out, result, indent=2)
     return 0
 
 

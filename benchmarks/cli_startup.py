@@ -14,16 +14,13 @@ reported on the way.
 from __future__ import annotations
 
 import argparse
-import os
-import re
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-import httpx
+from conveyor.bench.study import Server
 
 REPO = Path(__file__).resolve().parent.parent
 COMMANDS = {
@@ -47,40 +44,25 @@ def time_command(cmd: list[str], runs: int) -> tuple[float, int, str]:
 
 def time_serve(model: str | None, timeout: float) -> dict:
     cmd = [sys.executable, "-m", "conveyor", "serve", "--port", "0"] + (["--model", model] if model else [])
-    log = tempfile.TemporaryFile(mode="w+")
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    server = Server(cmd, 0, cwd=REPO, ready_timeout=timeout, poll_s=0.02, stop_timeout=30).start()
     out = {"first_answer_s": None, "ready_s": None, "phases": []}
+
+    def answered(r) -> None:
+        now = time.monotonic() - server.started
+        if out["first_answer_s"] is None:
+            out["first_answer_s"] = now
+        phase = r.json().get("phase") if r.status_code != 200 else None
+        if phase and (not out["phases"] or out["phases"][-1][0] != phase):
+            out["phases"].append((phase, round(now, 2)))
+
     try:
-        url = None
-        while time.perf_counter() - t0 < timeout and proc.poll() is None:
-            if url is None:
-                m = re.search(r"bound \S+:(\d+); serving", os.pread(log.fileno(), 1 << 20, 0).decode(errors="replace"))
-                if m:
-                    url = f"http://127.0.0.1:{m.group(1)}/health"
-                    out["bound_s"] = time.perf_counter() - t0
-            else:
-                try:
-                    r = httpx.get(url, timeout=1)
-                except httpx.HTTPError:
-                    r = None
-                if r is not None:
-                    now = time.perf_counter() - t0
-                    if out["first_answer_s"] is None:
-                        out["first_answer_s"] = now
-                    if r.status_code == 200:
-                        out["ready_s"] = now
-                        break
-                    phase = r.json().get("phase")
-                    if phase and (not out["phases"] or out["phases"][-1][0] != phase):
-                        out["phases"].append((phase, round(now, 2)))
-            time.sleep(0.02)
+        out["ready_s"] = server.wait_ready(on_answer=answered)
+    except (RuntimeError, TimeoutError) as e:
+        print(e, file=sys.stderr)
     finally:
-        proc.terminate()
-        proc.wait(30)
-    if out["ready_s"] is None:
-        log.seek(0)
-        print(log.read()[-3000:], file=sys.stderr)
+        if server.bound_s is not None:
+            out["bound_s"] = server.bound_s
+        server.stop()
     return out
 
 

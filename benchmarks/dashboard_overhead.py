@@ -18,8 +18,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,13 +26,7 @@ import time
 
 import httpx
 
-from conveyor.kernels.variants import cpu_name
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from conveyor.bench.study import Server, Study, cpu_name, free_port, lab_run_command
 
 
 class SSEViewers:
@@ -87,10 +79,10 @@ class ChromiumViewers:
 
 def bench(url: str, model: str, num_prompts: int, out: str, shot_at: float | None = None,
           viewers: ChromiumViewers | None = None) -> dict:
-    proc = subprocess.Popen(["conveyor", "bench", "run", "--url", url, "--model", model, "--no-progress",
-                             "--concurrency", "64", "--num-prompts", str(num_prompts), "--input-len", "256",
-                             "--output-len", "128", "--range-ratio", "0.5", "--seed", "0", "--out", out],
-                            stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(lab_run_command(url, ["--model", model, "--no-progress", "--concurrency", "64",
+                                                  "--num-prompts", str(num_prompts), "--input-len", "256",
+                                                  "--output-len", "128", "--range-ratio", "0.5", "--seed", "0"], out),
+                            stdout=subprocess.DEVNULL)  # in the background: a screenshot is taken mid-run
     if shot_at is not None and viewers is not None and viewers.screenshot:
         time.sleep(shot_at)  # mid-run: the page under load
         viewers.pages[0].screenshot(path=viewers.screenshot, full_page=True)
@@ -109,25 +101,13 @@ def main() -> None:
     p.add_argument("--chromium", action="store_true", help="also a run with 3 real headless Chromium pages")
     p.add_argument("--screenshot", default=None, help="save the first Chromium page mid-run here (needs --chromium)")
     args = p.parse_args()
+    study = Study()
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-    server = subprocess.Popen([sys.executable, "-m", "conveyor", "serve", "--model", args.model, "--port", str(port),
-                               "--disable-log-requests", "--uvicorn-log-level", "warning"], stdout=log,
-                              stderr=subprocess.STDOUT)
     rows = []
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not start; see {log.name}")
-            time.sleep(0.5)
+    with Server([sys.executable, "-m", "conveyor", "serve", "--model", args.model, "--port", str(port),
+                 "--disable-log-requests", "--uvicorn-log-level", "warning"], port, ready_timeout=300, poll_s=0.5):
         tmp = tempfile.mkdtemp()
         for w in range(2):  # warm-up, not counted: the first full run after start is slow (kernels, caches, pages)
             bench(url, args.model, args.num_prompts, os.path.join(tmp, f"warm{w}.json"))
@@ -148,9 +128,6 @@ def main() -> None:
                    "viewer_events": viewers.events if viewers is not None else None}
             print(json.dumps(row), flush=True)
             rows.append(row)
-    finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(60)
     none = [r["output_tok_s"] for r in rows if r["viewers"] == "none"]
     sse = [r["output_tok_s"] for r in rows if r["viewers"] == "sse"]
     summary = {"none_mean": sum(none) / len(none), "sse_mean": sum(sse) / len(sse)}
@@ -159,9 +136,8 @@ def main() -> None:
     if chrome:
         summary["chromium_ratio"] = chrome[0] / summary["none_mean"]
     print(json.dumps(summary))
-    with open(args.out, "w") as f:
-        json.dump({"cpu": f"{cpu_name()}, {os.cpu_count()} CPUs", "args": vars(args), "rows": rows,
-                   "summary": summary}, f, indent=1)
+    study.write(args.out, {"cpu": f"{cpu_name()}, {os.cpu_count()} CPUs", "args": vars(args), "rows": rows,
+                           "summary": summary})
 
 
 

@@ -13,12 +13,11 @@ configuration (median over rounds) and each one's time as a ratio of the generat
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 from conveyor import LLM, SamplingParams
-from conveyor.kernels.variants import cpu_name
+from conveyor.bench.study import Study, cpu_name
 from conveyor.pooling import PoolingParams
 
 WORDS = ("the quick brown fox jumps over the lazy dog while batching requests together makes inference "
@@ -32,6 +31,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    study = Study()
     llm = LLM(a.model, enable_prefix_caching=False)
     texts = [" ".join(WORDS[i % 7:] * (1 + i % 4)) for i in range(a.inputs)]
     ids = [llm.tokenizer.encode(t) for t in texts]
@@ -59,8 +59,7 @@ def main() -> None:
         print(f"  {name:24s} {med:6.2f} s  {a.inputs / med:7.1f} inputs/s  {tokens / med:8.0f} tok/s  "
               f"x{med / base:.2f} of generate")
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=2)
+        study.write(a.out, result)
 
 
 if __name__ == "__main__":

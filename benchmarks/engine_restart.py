@@ -21,7 +21,6 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -34,20 +33,9 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from conveyor.bench.study import Server, Study, wait_health  # noqa: E402
 
-def wait_health(url: str, proc: subprocess.Popen | None = None, timeout: float = 600.0, poll_s: float = 0.005) -> float:
-    t0 = time.monotonic()
-    while True:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return time.monotonic()
-        except httpx.TransportError:
-            pass
-        if time.monotonic() - t0 > timeout:
-            raise TimeoutError("the server did not become healthy")
-        time.sleep(poll_s)
+POLL_S = 0.005  # /health's polling: restarts are timed to a few ms
 
 
 def greedy(url: str, model: str) -> str:
@@ -57,23 +45,13 @@ def greedy(url: str, model: str) -> str:
     return r.json()["choices"][0]["text"]
 
 
-def serve(model: str, name: str, mode: str, extra: list[str], log) -> tuple[subprocess.Popen, str, float]:
-    """A `conveyor serve` subprocess on a free port: (process, url, seconds from Popen to /health 200)."""
-    import re
-
+def serve(model: str, name: str, mode: str, extra: list[str], log) -> tuple[Server, str, float]:
+    """A `conveyor serve` subprocess on a free port: (server, url, seconds from its start to /health 200)."""
     cmd = [sys.executable, "-m", "conveyor", "serve", "--model", model, "--served-model-name", name, "--port", "0",
            "--engine-loop", mode, "--disable-log-requests", *extra]
-    t0 = time.monotonic()
-    log_file = tempfile.NamedTemporaryFile("w+", delete=False, suffix=".log")
-    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, text=True, cwd=REPO)
-    while not (m := re.search(r"bound \S+:(\d+); serving there", Path(log_file.name).read_text())):
-        if proc.poll() is not None:
-            raise RuntimeError(Path(log_file.name).read_text()[-3000:])
-        time.sleep(0.05)
-    url = f"http://127.0.0.1:{m.group(1)}"
-    ready = wait_health(url, proc) - t0
-    log.write(f"{mode}: {log_file.name}\n")
-    return proc, url, ready
+    server = Server(cmd, 0, cwd=REPO, poll_s=POLL_S).up()
+    log.write(f"{mode}: {server.log_path}\n")
+    return server, server.url, server.ready_s
 
 
 def restarts_seen(url: str) -> float:
@@ -82,53 +60,48 @@ def restarts_seen(url: str) -> float:
                if line.startswith("conveyor:engine_restarts_total{"))
 
 
-def engine_pid(proc: subprocess.Popen) -> int:
-    kids = [p for p in psutil.Process(proc.pid).children(recursive=True)
-            if p.ppid() != proc.pid and p.status() != psutil.STATUS_ZOMBIE]
+def engine_pid(server: Server) -> int:
+    kids = [p for p in psutil.Process(server.pid).children(recursive=True)
+            if p.ppid() != server.pid and p.status() != psutil.STATUS_ZOMBIE]
     assert len(kids) == 1, kids
     return kids[0].pid
 
 
 def process_mode(model: str, name: str, kills: int, extra: list[str], log) -> dict:
-    proc, url, start_s = serve(model, name, "process", extra, log)
+    server, url, start_s = serve(model, name, "process", extra, log)
     try:
         first = greedy(url, name)
         restarts = []
         for k in range(kills):
-            os.kill(engine_pid(proc), signal.SIGKILL)
+            os.kill(engine_pid(server), signal.SIGKILL)
             t0 = time.monotonic()
             while restarts_seen(url) <= k:  # until the server has seen it (/health says ok until then)
                 time.sleep(0.001)
-            restarts.append(wait_health(url, proc) - t0)
+            restarts.append(wait_health(url, server.proc, poll_s=POLL_S) - t0)
             assert greedy(url, name) == first, "the new engine answered differently"
         return {"start_s": round(start_s, 2), "restart_s": [round(x, 2) for x in restarts],
                 "restart_median_s": round(statistics.median(restarts), 2)}
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
+        server.stop()
 
 
 def thread_mode(model: str, name: str, kills: int, extra: list[str], log) -> dict:
-    proc, url, start_s = serve(model, name, "thread", extra, log)
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(60)
+    server, url, start_s = serve(model, name, "thread", extra, log)
+    server.stop()
     from conveyor.cli import build_parser
     from conveyor.engine.args import engine_config_from_args
     from conveyor.server.api_server import ServerArgs, build_app
-    from conveyor.server.launch import GracefulServer
+    from conveyor.server.launch import GracefulServer, bind_listen_socket
 
     ns = build_parser().parse_args(["serve", "--model", model, "--served-model-name", name, *extra])
     cfg = engine_config_from_args(ns, {"kv_cache_populate": True}, served_model_name=name)
-    import socket
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
+    sock = bind_listen_socket("127.0.0.1", 0)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     app = build_app(cfg, ServerArgs(max_engine_restarts=kills + 1))
     uv = GracefulServer(app, grace_s=1.0, log_level="warning")
     th = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     th.start()
-    wait_health(url)
+    wait_health(url, poll_s=POLL_S)
     aengine = app.state.engine
     try:
         first = greedy(url, name)
@@ -143,7 +116,7 @@ def thread_mode(model: str, name: str, kills: int, extra: list[str], log) -> dic
                              kwargs={"timeout": 60, "json": {"model": name, "prompt": "x", "max_tokens": 2}}).start()
             while aengine.restarts <= k:  # until the server has seen it
                 time.sleep(0.001)
-            restarts.append(wait_health(url) - t0)
+            restarts.append(wait_health(url, poll_s=POLL_S) - t0)
             assert greedy(url, name) == first, "the new engine answered differently"
         return {"start_s": round(start_s, 2), "restart_s": [round(x, 2) for x in restarts],
                 "restart_median_s": round(statistics.median(restarts), 2)}
@@ -160,6 +133,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     ap.add_argument("extra", nargs="*", help="more `conveyor serve` flags (after --)")
     args = ap.parse_args()
+    study = Study()
     model, name, extra = args.model, args.model, list(args.extra)
     if model == "tiny":
         from tests.conftest import build_tiny_llama
@@ -174,7 +148,7 @@ def main() -> int:
     result["load_avg_at_end"] = os.getloadavg()
     print(json.dumps(result, indent=1))
     if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        study.write(args.out, result)
     return 0
 
 

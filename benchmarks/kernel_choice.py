@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import subprocess
 import sys
+
+from conveyor.bench.study import Neighbours
 
 PROBE = """
 import logging
@@ -29,17 +32,14 @@ def main() -> int:
     from conveyor.kernels.decisions import cpu_facts
 
     print(f"CPU: {cpu_facts()}")
-    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     choices = collections.Counter()
-    try:
+    with Neighbours(1):
         for i in range(args.starts):
             out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True,
-                                 env={**__import__("os").environ, "CONVEYOR_REMEASURE": "1"})
+                                 env={**os.environ, "CONVEYOR_REMEASURE": "1"})
             line = next(ln for ln in out.stderr.splitlines() if ln.startswith("bf16 linears"))
             choices[line.split()[2]] += 1
             print(f"start {i + 1}: {line}", flush=True)
-    finally:
-        busy.kill()
     print(f"\nchoices beside a busy process: {dict(choices)}")
     return 0 if len(choices) == 1 else 1
 

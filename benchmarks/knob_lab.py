@@ -32,6 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from conveyor.bench.claims import DISAGREES, HOLDS, TIE, TOLERANCE  # noqa: E402
+from conveyor.bench.study import Study, read_result  # noqa: E402
 from conveyor.bench.sweep import SweepSpec, plot, report, row, run_sweep  # noqa: E402
 from conveyor.bench.workloads import WorkloadSpec  # noqa: E402
 
@@ -180,7 +181,7 @@ def why(sweeps: dict[str, dict]) -> list[str]:
     return out
 
 
-def write_report(sweeps: dict[str, dict], out_dir: Path, command: str) -> Path:
+def write_report(sweeps: dict[str, dict], out_dir: Path, command: str, study: Study) -> Path:
     verdicts = judge(sweeps)
     setup = next(iter(sweeps.values()))["setup"]
     lines = ["# The knob lab: the seed's knob table, measured", "",
@@ -202,7 +203,7 @@ def write_report(sweeps: dict[str, dict], out_dir: Path, command: str) -> Path:
                   f"{json.dumps(res['setup'].get('fixed', {}))}. ![{name}](sweep_{name}.png)", "", report(res)]
     path = out_dir / "knobs.md"
     path.write_text("\n".join(lines) + "\n")
-    (out_dir / "verdicts.json").write_text(json.dumps(verdicts, indent=1) + "\n")
+    study.write(out_dir / "verdicts.json", verdicts)
     return path
 
 
@@ -214,6 +215,7 @@ def main() -> int:
     ap.add_argument("--report-only", action="store_true", help="re-judge the saved sweep JSON files")
     ap.add_argument("--num-prompts", type=int, default=None, help="a smaller workload (smoke tests)")
     args = ap.parse_args()
+    study = Study()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     names = list(SWEEPS) if args.only is None else args.only.split(",")
@@ -244,12 +246,12 @@ def main() -> int:
                 knobs = {"gpu_memory_utilization": small + knobs["gpu_memory_utilization"]}
             res = run_sweep(engine, cfg, SweepSpec(knobs=knobs, workload=WORKLOAD), progress=False)
             res["setup"]["fixed"] = fixed
-            (args.out_dir / f"sweep_{name}.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
+            study.write(args.out_dir / f"sweep_{name}.json", res)
             plot(res, args.out_dir)
-    sweeps = {n: json.loads((args.out_dir / f"sweep_{n}.json").read_text()) for n in SWEEPS
+    sweeps = {n: read_result(args.out_dir / f"sweep_{n}.json") for n in SWEEPS
               if (args.out_dir / f"sweep_{n}.json").exists()}
     path = write_report(sweeps, args.out_dir, "python benchmarks/knob_lab.py --out-dir " + str(
-        args.out_dir.relative_to(REPO) if args.out_dir.is_relative_to(REPO) else args.out_dir))
+        args.out_dir.relative_to(REPO) if args.out_dir.is_relative_to(REPO) else args.out_dir), study)
     print(path.read_text())
     return 0
 

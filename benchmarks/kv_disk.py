@@ -21,7 +21,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -29,13 +28,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from conveyor.bench.study import Server, Study, pct
+
 MODEL = "smollm2-135m"
 BS = 16
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
 def tokens(rng: random.Random, n: int) -> list[int]:
@@ -77,7 +73,7 @@ def drive(engine, prompts: list[list[int]], concurrency: int, output_len: int) -
     t = list(ttft.values())
     return {"requests": len(prompts), "seconds": dur, "output_tok_s": out_tokens / dur,
             "total_tok_s": (sum(len(p) for p in prompts) + out_tokens) / dur, "req_s": len(prompts) / dur,
-            "ttft_p50_s": pct(t, 0.5), "ttft_p99_s": pct(t, 0.99), "ttft_mean_s": statistics.mean(t),
+            "ttft_p50_s": pct(t, 50), "ttft_p99_s": pct(t, 99), "ttft_mean_s": statistics.mean(t),
             "hit_rate": h / q if q else 0.0,
             "cached_tokens": sum(r.num_cached_tokens for r in reqs.values())}
 
@@ -336,29 +332,10 @@ def part_restart(args) -> dict:
     fresh = [tokens(rng, n) for _ in range(2)]
     tier = Path(tempfile.mkdtemp(dir=args.tier_root, prefix="kvdisk-restart-"))
 
-    def start() -> tuple[subprocess.Popen, str]:
-        log = tempfile.TemporaryFile(mode="w+")
+    def server() -> Server:
         extra = ["--threads", str(args.threads)] if args.threads else []
-        proc = subprocess.Popen([sys.executable, "-m", "conveyor", "serve", "--port", "0", "--kv-cache-memory", "1",
-                                 "--kv-disk-dir", str(tier), *extra], stdout=log,
-                                stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 600
-        import re
-
-        while True:
-            text = os.pread(log.fileno(), os.fstat(log.fileno()).st_size, 0).decode(errors="replace")
-            m = re.search(r"bound \S+:(\d+); serving there", text)
-            if m:
-                url = f"http://127.0.0.1:{m.group(1)}"
-                try:
-                    if httpx.get(url + "/health", timeout=2).json().get("status") == "ok":
-                        proc.log = log
-                        return proc, url
-                except (httpx.HTTPError, ValueError):
-                    pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the server did not come up:\n" + text[-3000:])
-            time.sleep(0.2)
+        return Server([sys.executable, "-m", "conveyor", "serve", "--port", "0", "--kv-cache-memory", "1",
+                       "--kv-disk-dir", str(tier), *extra], 0, ready_timeout=600, poll_s=0.2, stop_timeout=120)
 
     def ttft(url: str, prompt: list[int]) -> tuple[float, int]:
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True,
@@ -376,23 +353,17 @@ def part_restart(args) -> dict:
                     cached = (ev["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
         return first, cached
 
-    def stop(proc: subprocess.Popen) -> None:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(120)
-
     out: dict = {"prompt_tokens": n}
     try:
-        proc, url = start()
-        ttft(url, tokens(rng, 64))  # warm the kernels
-        out["cold"] = [ttft(url, p) for p in seen]
-        stop(proc)
-        proc, url = start()
-        ttft(url, tokens(rng, 64))
-        out["after_restart"] = [ttft(url, p) for p in seen]
-        out["after_restart_unseen"] = [ttft(url, p) for p in fresh]
-        metrics = httpx.get(url + "/metrics").text
-        out["metrics"] = [line for line in metrics.splitlines() if line.startswith("conveyor:kv_disk")]
-        stop(proc)
+        with server() as first:
+            ttft(first.url, tokens(rng, 64))  # warm the kernels
+            out["cold"] = [ttft(first.url, p) for p in seen]
+        with server() as again:  # the restart: a new server on the same --kv-disk-dir
+            ttft(again.url, tokens(rng, 64))
+            out["after_restart"] = [ttft(again.url, p) for p in seen]
+            out["after_restart_unseen"] = [ttft(again.url, p) for p in fresh]
+            metrics = httpx.get(again.url + "/metrics").text
+            out["metrics"] = [line for line in metrics.splitlines() if line.startswith("conveyor:kv_disk")]
     finally:
         shutil.rmtree(tier, ignore_errors=True)
     cold = statistics.mean(t for t, _ in out["cold"])
@@ -439,11 +410,11 @@ def main() -> None:
     p.add_argument("--tier-root", default=tempfile.gettempdir(), help="where the tiers' directories go (a local disk)")
     p.add_argument("--out", type=Path, default=None, help="write kv_disk_<part>.json files here")
     args = p.parse_args()
+    study = Study()
     for name in (PARTS if args.part == "all" else [args.part]):
         res = PARTS[name](args)
         if args.out:
-            args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / f"kv_disk_{name}{'_quick' if args.quick else ''}.json").write_text(json.dumps(res, indent=1))
+            study.write(args.out / f"kv_disk_{name}{'_quick' if args.quick else ''}.json", res)
 
 
 if __name__ == "__main__":

@@ -98,16 +98,16 @@ def bf16_linear(n: int, k: int):
 
 def matrices(args) -> None:
     """--matrices: see the module docstring."""
-    import json
     import platform
 
     from conveyor import kernels
-    from conveyor.kernels.variants import cpu_name
+    from conveyor.bench.study import Study, cpu_name
 
     if not getattr(kernels.load(), "gguf_available", lambda: False)():
         raise SystemExit("no GGUF kernels in this build or on this CPU")
     if args.threads:
         torch.set_num_threads(args.threads)
+    study = Study()
     formats = args.formats.split(",")
     rows = [int(r) for r in args.rows.split(",")]
     results: dict = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "machine": platform.machine(),
@@ -162,8 +162,7 @@ def matrices(args) -> None:
                          if "layer_vs_bf16" in row else ""), flush=True)
         del mods
     if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(results, fh, indent=1)
+        study.write(args.out, results)
 
 
 # (in, out) of a decoder layer's linears and the LM head: SmolLM2-135M (hidden 576, 9 heads / 3 KV heads x 64,

@@ -32,62 +32,18 @@ import argparse
 import json
 import os
 import re
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import psutil
 
+from conveyor.bench.study import Server, Study, TreeMemory, cpu_name, free_port
+
 GiB = 2**30
 ALLOWANCE_GIB = 1.5
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "?"
-
-
-def tree_rss(proc: psutil.Process) -> int:
-    total = 0
-    for p in [proc, *proc.children(recursive=True)]:
-        try:
-            total += p.memory_info().rss
-        except psutil.Error:
-            pass
-    return total
-
-
-class Sampler(threading.Thread):
-    def __init__(self, pid: int, interval: float = 0.05) -> None:
-        super().__init__(daemon=True)
-        self.proc = psutil.Process(pid)
-        self.interval = interval
-        self.peak = 0
-        self.last = 0
-        self.done = threading.Event()
-
-    def run(self) -> None:
-        while not self.done.is_set():
-            try:
-                self.last = tree_rss(self.proc)
-            except psutil.Error:
-                break
-            self.peak = max(self.peak, self.last)
-            self.done.wait(self.interval)
 
 
 def parse_log(text: str) -> dict:
@@ -125,6 +81,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     ap.add_argument("serve_args", nargs=argparse.REMAINDER, help="after --: more `conveyor serve` flags")
     args = ap.parse_args()
+    study = Study()
     extra = [a for a in args.serve_args if a != "--"]
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -142,28 +99,17 @@ def main() -> int:
     log_path = args.log or Path(tempfile.mkstemp(prefix="load_memory-", suffix=".log")[1])
     result: dict = {"server": args.server, "model": args.model, "quantization": args.quantization, "serve_args": extra,
                     "mem_available_gib_before": round(psutil.virtual_memory().available / GiB, 2),
-                    "cpu": cpu_model()}
-    t0 = time.monotonic()
-    with open(log_path, "w") as logf:
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    sampler = Sampler(proc.pid)
-    sampler.start()
-    url = f"http://127.0.0.1:{port}"
+                    "cpu": cpu_name()}
+    # the whole process group is stopped: vLLM leaves an engine-core child
+    logf = open(log_path, "w+")  # noqa: SIM115 - closed below
+    server = Server(cmd, port, env=env, log=logf, ready_timeout=args.timeout, poll_s=0.1, stop_timeout=30,
+                    term_group=True).start()
+    memory = TreeMemory(server.pid, every=0.05, pss=False)
+    url = server.url
     try:
-        while time.monotonic() - t0 < args.timeout:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        else:
-            raise RuntimeError(f"not ready after {args.timeout} s")
-        result["ready_s"] = round(time.monotonic() - t0, 2)
-        result["rss_ready_gib"] = round(sampler.last / GiB, 3)
-        result["peak_rss_load_gib"] = round(sampler.peak / GiB, 3)
+        result["ready_s"] = round(server.wait_ready(log_tail=0), 2)
+        result["rss_ready_gib"] = round(memory.last_rss / GiB, 3)
+        result["peak_rss_load_gib"] = round(memory.peak_rss / GiB, 3)
         if args.generate:
             model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
             t = time.monotonic()
@@ -179,26 +125,19 @@ def main() -> int:
     except Exception as e:  # noqa: BLE001 - reported with the log
         result["error"] = f"{type(e).__name__}: {e}"
     finally:
-        sampler.done.set()
-        sampler.join()
-        if proc.poll() is None:  # the whole process group: vLLM leaves an engine-core child
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        memory.result()  # stops sampling
+        server.stop()
+        logf.close()
     text = log_path.read_text()
-    result["peak_rss_gib"] = round(sampler.peak / GiB, 3)
+    result["peak_rss_gib"] = round(memory.peak_rss / GiB, 3)
     result.update(parse_log(text))
     if "weights_gib" in result and "kv_gib" in result:
         result["bound_gib"] = round(result["weights_gib"] + result["kv_gib"] + ALLOWANCE_GIB, 3)
         result["within_bound"] = result["peak_rss_gib"] <= result["bound_gib"]
     result["log"] = str(log_path)
-    out = json.dumps(result, indent=2)
-    print(out)
+    print(json.dumps(result, indent=2))
     if args.out:
-        args.out.write_text(out + "\n")
+        study.write(args.out, result)
     if "error" in result:
         print(text[-4000:], file=sys.stderr)
         return 1

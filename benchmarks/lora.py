@@ -34,7 +34,7 @@ import psutil
 import torch
 
 from conveyor import LLM, SamplingParams
-from conveyor.kernels.variants import cpu_name
+from conveyor.bench.study import Study, cpu_name
 from conveyor.lora import LoRARequest
 from conveyor.model.loader import load_checkpoint
 from conveyor.runner.model_runner import cpu_has_fast_bf16
@@ -93,6 +93,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16" if cpu_has_fast_bf16() else "float32")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
+    study = Study()
 
     kw = dict(dtype=args.dtype, kv_cache_memory=1.0, max_num_seqs=args.streams, max_model_len=512,
               enable_prefix_caching=False)
@@ -176,8 +177,7 @@ def main() -> None:
     }
     print(json.dumps(result, indent=2))
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        study.write(args.out, result)
 
 
 if __name__ == "__main__":

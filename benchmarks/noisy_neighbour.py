@@ -34,8 +34,6 @@ import multiprocessing as mp
 import os
 import random
 import re
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,6 +43,8 @@ from pathlib import Path
 import httpx
 import openai
 
+from conveyor.bench.study import Server, Study, pct
+
 REPO = Path(__file__).resolve().parent.parent
 KEY = "bench-key"
 MODEL = "bench"  # the served model name
@@ -52,18 +52,12 @@ MODEL = "bench"  # the served model name
 SIZES = {"prompt_words": 24, "output_tokens": 128, "quiet_output_tokens": 16, "share_output_tokens": 32}
 
 
-def pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
 def jain(xs: list[float]) -> float:
     return sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs)) if any(xs) else 0.0
 
 
-def start_server(model: str, max_num_seqs: int, log) -> tuple[subprocess.Popen, str]:
+def server(model: str, max_num_seqs: int) -> Server:
+    """The server under test (`conveyor serve` on a port of its choosing), not started."""
     if model == "tiny":  # a small random Llama (the tests' builder): milliseconds per step even on a busy machine
         sys.path.insert(0, str(REPO))
         from tests.conftest import build_tiny_llama
@@ -73,23 +67,7 @@ def start_server(model: str, max_num_seqs: int, log) -> tuple[subprocess.Popen, 
            "--port", "0", "--api-key", KEY,
            "--max-num-seqs", str(max_num_seqs), "--disable-log-requests", "--max-queued-requests", "100000"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        m = re.search(r"bound \S+:(\d+); serving there", Path(log.name).read_text(errors="replace"))
-        if m:
-            url = f"http://127.0.0.1:{m.group(1)}"
-            while time.monotonic() < deadline:
-                try:
-                    if httpx.get(url + "/health", timeout=2).status_code == 200:
-                        return proc, url
-                except httpx.HTTPError:
-                    pass
-                assert proc.poll() is None, "the server exited"
-                time.sleep(0.5)
-        assert proc.poll() is None, "the server exited"
-        time.sleep(0.2)
-    raise RuntimeError("the server did not start")
+    return Server(cmd, 0, env=env, ready_timeout=900, poll_s=0.5)
 
 
 def switch(url: str, name: str, **options) -> None:
@@ -219,8 +197,8 @@ def ttft_summary(recs: list[dict], tenant: str) -> dict:
     ttfts = [r["first"] - r["sent"] if r["first"] is not None else r["waited"] for r in mine]
     done = [r for r in mine if r["end"] is not None]
     return {"requests": len(mine), "finished": len(done), "no_first_token": sum(r["first"] is None for r in mine),
-            "ttft_p50_ms": 1000 * pct(ttfts, 0.5) if ttfts else None,
-            "ttft_p99_ms": 1000 * pct(ttfts, 0.99) if ttfts else None,
+            "ttft_p50_ms": 1000 * pct(ttfts, 50) if ttfts else None,
+            "ttft_p99_ms": 1000 * pct(ttfts, 99) if ttfts else None,
             "ttft_ms_sorted": [round(1000 * t, 1) for t in sorted(ttfts)] if tenant == "quiet" else None}
 
 
@@ -288,6 +266,7 @@ def main() -> int:
     ap.add_argument("--skip-noisy", action="store_true", help="only the share phases")
     ap.add_argument("--out", type=Path, default=REPO / "docs/fairness/noisy_neighbour.json")
     args = ap.parse_args()
+    study = Study()
     SIZES.update(prompt_words=args.prompt_words, output_tokens=args.output_tokens,
                  share_output_tokens=args.share_output_tokens,
                  quiet_output_tokens=args.quiet_output_tokens)
@@ -295,13 +274,12 @@ def main() -> int:
 
     t_start = time.monotonic()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
     result: dict = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "cpu": cpu_name(),
                     "cores": os.cpu_count(), "load_before": os.getloadavg(),
                     "settings": vars(args) | {"out": str(args.out)},
                     "strategies": {}}
-    proc, url = start_server(args.model, args.max_num_seqs, log)
-    try:
+    with server(args.model, args.max_num_seqs) as srv:
+        url = srv.url
         switch(url, "iteration")  # warm up (first-use costs) before anything is measured
         asyncio.run(open_loop(url, {"quiet": 1.0}, 5.0, seed="warm-up"))
         wait_idle(url)
@@ -353,15 +331,9 @@ def main() -> int:
                             "equal": {"tok_s": equal, "jain": jain(list(equal.values()))},
                             "weights_2_1": {"tok_s": weighted, "ratio": weighted["a"] / max(weighted["b"], 1e-9)}}
         print("shares", json.dumps(result["shares"]), flush=True)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
     result["load_after"] = os.getloadavg()
     result["wall_s"] = time.monotonic() - t_start
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    study.write(args.out, result)
     if result["strategies"]:  # --skip-noisy: no TTFTs to plot
         plot(result, args.out.with_suffix(".png"))
     print(f"wrote {args.out} ({result['wall_s']:.0f}s)")

@@ -26,12 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from conveyor.bench.study import pct  # noqa: E402
 from tests.scheduler.harness import Harness  # noqa: E402
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def simulate(args: argparse.Namespace) -> dict[str, list[float]]:
@@ -131,9 +127,9 @@ def main() -> int:
     ttfts = simulate(args)
     a, b = ttfts["alone"], ttfts["beside"]
     print(
-        f"{args.strategy}: B alone p50 {1000 * pct(a, 0.5):.0f} / p99 {1000 * pct(a, 0.99):.0f} ms "
-        f"({len(a)} requests); beside A p50 {1000 * pct(b, 0.5):.0f} / p99 {1000 * pct(b, 0.99):.0f} ms "
-        f"({len(b)}); p99 ratio {pct(b, 0.99) / pct(a, 0.99):.2f}x"
+        f"{args.strategy}: B alone p50 {1000 * pct(a, 50):.0f} / p99 {1000 * pct(a, 99):.0f} ms "
+        f"({len(a)} requests); beside A p50 {1000 * pct(b, 50):.0f} / p99 {1000 * pct(b, 99):.0f} ms "
+        f"({len(b)}); p99 ratio {pct(b, 99) / pct(a, 99):.2f}x"
     )
     return 0
 

@@ -31,7 +31,6 @@ import gc
 import json
 import math
 import os
-import platform
 import time
 
 os.environ.setdefault("CONVEYOR_QUANT_DENSE_ABOVE", "none")
@@ -39,6 +38,7 @@ os.environ.setdefault("CONVEYOR_QUANT_DENSE_ABOVE", "none")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from conveyor.bench.study import Server, Study, cpu_name, free_port  # noqa: E402
 from conveyor.llm import LLM  # noqa: E402
 from conveyor.model import w8a8  # noqa: E402
 from conveyor.sampling_params import SamplingParams  # noqa: E402
@@ -55,6 +55,9 @@ CONFIGS = {  # name -> LLM kwargs
     "int8 weights + int8 KV": {"quantization": "int8", "kv_cache_dtype": "int8"},
     "int4 weights + int8 KV": {"quantization": "int4", "kv_cache_dtype": "int8"},
 }
+
+
+LLAMA_CPP_TEXT = "/usr/share/common-licenses/GPL-3"  # plain English prose on every Debian
 
 
 def corpus_text(path: str | None) -> str:
@@ -86,31 +89,14 @@ def perplexity(llm: LLM, ids: list[int], window: int) -> tuple[float, int]:
 def llama_cpp_tokens(bin_dir: str, model: str, text: str) -> list[int]:
     """The text as llama.cpp tokenizes it for llama-perplexity (special tokens added as the vocabulary says),
     from a short-lived llama-server's /tokenize."""
-    import socket
-    import subprocess
-    import urllib.request
+    import httpx
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    proc = subprocess.Popen([os.path.join(bin_dir, "llama-server"), "-m", model, "--port", str(port), "-c", "512",
-                             "-t", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                body = json.dumps({"content": text, "add_special": True}).encode()
-                req = urllib.request.Request(f"http://127.0.0.1:{port}/tokenize", body,
-                                             {"Content-Type": "application/json"})
-                with urllib.request.urlopen(req, timeout=30) as r:
-                    return json.loads(r.read())["tokens"]
-            except OSError:
-                if time.time() > deadline or proc.poll() is not None:
-                    raise
-                time.sleep(0.5)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    port = free_port()
+    with Server([os.path.join(bin_dir, "llama-server"), "-m", model, "--port", str(port), "-c", "512", "-t", "1"],
+                port, ready_timeout=120, poll_s=0.5, stop_timeout=30) as server:
+        r = httpx.post(server.url + "/tokenize", json={"content": text, "add_special": True}, timeout=30)
+        r.raise_for_status()
+        return r.json()["tokens"]
 
 
 def llama_cpp_perplexity(bin_dir: str, model: str, text_file: str, ctx: int, threads: int) -> float:
@@ -142,14 +128,15 @@ def perplexity_as_llama_cpp(llm: LLM, tokens: list[int], ctx: int, bos: int | No
     return math.exp(nll / count)
 
 
-def vs_llama_cpp(args) -> None:
-    text = open(args.text, encoding="utf-8").read()
+def vs_llama_cpp(args, study: Study) -> None:
+    text_file = args.text or LLAMA_CPP_TEXT
+    text = open(text_file, encoding="utf-8").read()
     files = [f.strip() for f in args.files.split(",") if f.strip()]
     tokens = llama_cpp_tokens(args.llama_cpp, files[0], text)
     rows = []
     for path in files:
         t0 = time.perf_counter()
-        ref = llama_cpp_perplexity(args.llama_cpp, path, args.text, args.ctx, torch.get_num_threads())
+        ref = llama_cpp_perplexity(args.llama_cpp, path, text_file, args.ctx, torch.get_num_threads())
         row = {"file": os.path.basename(path), "llama_cpp": round(ref, 4)}
         for label, quantization in (("conveyor", None), ("conveyor_dequantized", "none")):
             llm = LLM(path, kv_cache_memory=0.5, quantization=quantization, use_tqdm_on_load=False)
@@ -167,13 +154,10 @@ def vs_llama_cpp(args) -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.out:
-        from conveyor.kernels.variants import cpu_name
-
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"text": args.text, "ctx": args.ctx, "scored_tokens_per_chunk": args.ctx - 1 - args.ctx // 2,
-                       "chunks": len(tokens) // args.ctx, "cpu": cpu_name(), "torch": torch.__version__,
-                       "results": rows}, f, indent=1)
+        study.write(args.out, {"text": text_file, "ctx": args.ctx,
+                               "scored_tokens_per_chunk": args.ctx - 1 - args.ctx // 2,
+                               "chunks": len(tokens) // args.ctx, "cpu": cpu_name(), "torch": torch.__version__,
+                               "results": rows})
 
 
 def main() -> None:
@@ -185,16 +169,17 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=48)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names from: " + ", ".join(CONFIGS))
-    ap.add_argument("--text", default=None, help="a text file to score (default: pydoc_data.topics); with fewer tokens "
-                    "than --tokens + the greedy prompts, the prompts come from its end and the windows from the rest")
+    ap.add_argument("--text", default=None, help="a text file to score (default: pydoc_data.topics; with --llama-cpp: "
+                    f"{LLAMA_CPP_TEXT}); with fewer tokens than --tokens + the greedy prompts, the prompts come from "
+                    "its end and the windows from the rest")
     ap.add_argument("--out", default=None)
     ap.add_argument("--llama-cpp", default=None, help="llama.cpp's bin folder: compare --files with llama-perplexity")
     ap.add_argument("--files", default="", help="comma-separated GGUF files (with --llama-cpp)")
-    ap.add_argument("--text", default="/usr/share/common-licenses/GPL-3", help="the text (with --llama-cpp)")
     ap.add_argument("--ctx", type=int, default=512, help="chunk length (with --llama-cpp)")
     args = ap.parse_args()
+    study = Study()
     if args.llama_cpp:
-        vs_llama_cpp(args)
+        vs_llama_cpp(args, study)
         return
     names = [c.strip() for c in args.configs.split(",")]
     results, base_tokens = [], None
@@ -236,12 +221,9 @@ def main() -> None:
         del llm
         gc.collect()
     if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"model": args.model, "text": args.text or "pydoc_data.topics", "tokens": len(ids),
-                       "window": args.window,
-                       "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
-                       "results": results}, f, indent=1)
+        study.write(args.out, {"model": args.model, "text": args.text or "pydoc_data.topics", "tokens": len(ids),
+                               "window": args.window, "cpu": cpu_name(), "torch": torch.__version__,
+                               "results": results})
 
 
 if __name__ == "__main__":

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import torch
 
-from conveyor.kernels.variants import cpu_name
+from conveyor.bench.study import best_ms, cpu_name
 from conveyor.request import Request
 from conveyor.runner.sampler import sample
 from conveyor.sampling_params import SamplingParams
@@ -27,18 +26,6 @@ MODES = {
     "top_k 50": dict(temperature=1.0, top_k=50),
     "top_k 40, top_p 0.8, min_p 0.05": dict(temperature=0.7, top_k=40, top_p=0.8, min_p=0.05),
 }
-
-
-def best_ms(fn, n: int = 20, calls: int = 1) -> float:
-    """Milliseconds per call of `fn`: the best of `n` rounds of `calls` calls, after one warm-up call."""
-    fn()
-    best = float("inf")
-    for _ in range(n):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / calls)
-    return best * 1e3
 
 
 def main() -> None:

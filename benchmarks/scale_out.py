@@ -13,9 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,7 +21,7 @@ import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from conveyor.kernels.variants import cpu_name
+from conveyor.bench.study import Server, Study, cpu_name, free_port, lab_run
 
 SETUPS = {  # name: (what it is, flags)
     "single": ("1 server, 2 threads", []),
@@ -37,12 +34,6 @@ SETUPS = {  # name: (what it is, flags)
     "ray-2-prefix": ("2 replicas, prefix router (default margin: 32), 1 CPU each",
                      ["--replicas", "2", "--router", "prefix", "--replica-cpus", "1"]),
 }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def counters(url: str) -> dict[str, float]:
@@ -74,36 +65,20 @@ def run_setup(name: str, args: argparse.Namespace) -> dict:
     what, extra = SETUPS[name]
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-    proc = subprocess.Popen([sys.executable, "-m", "conveyor", "serve", "--model", args.model, "--port", str(port),
-                             "--disable-log-requests", "--uvicorn-log-level", "warning", "--kv-cache-memory", "1",
-                             *extra], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    t0 = time.monotonic()
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name}: the server exited; see {log.name}")
-            try:
-                if httpx.get(url + "/health", timeout=2).json().get("status") == "ok":
-                    break
-            except (httpx.TransportError, ValueError):
-                pass
-            if time.monotonic() - t0 > 300:
-                raise RuntimeError(f"{name}: not up after 300 s; see {log.name}")
-            time.sleep(0.5)
-        startup = time.monotonic() - t0
-        before, cpu_before = counters(url), cpu_seconds(proc.pid)
+    # SIGTERM stops the server's own Ray instance; what is left of its session is killed after 90 s
+    with Server([sys.executable, "-m", "conveyor", "serve", "--model", args.model, "--port", str(port),
+                 "--disable-log-requests", "--uvicorn-log-level", "warning", "--kv-cache-memory", "1", *extra], port,
+                ready_timeout=300, poll_s=0.5, stop_timeout=90) as server:
+        startup = server.ready_s
+        before, cpu_before = counters(url), cpu_seconds(server.pid)
         t_run = time.monotonic()
-        out = os.path.join(tempfile.mkdtemp(), "run.json")
-        subprocess.run(["conveyor", "bench", "run", "--url", url, "--model", args.model, "--no-progress",
-                        "--workload", "shared-prefix",
-                        "--num-prefixes", str(args.num_prefixes), "--prefix-len", str(args.prefix_len),
-                        "--input-len", "64", "--output-len", "64", "--num-prompts", str(args.num_prompts),
-                        "--concurrency", str(args.concurrency), "--seed", "0", "--out", out],
-                       check=True, stdout=subprocess.DEVNULL)
+        res = lab_run(url, ["--model", args.model, "--no-progress", "--workload", "shared-prefix",
+                            "--num-prefixes", str(args.num_prefixes), "--prefix-len", str(args.prefix_len),
+                            "--input-len", "64", "--output-len", "64", "--num-prompts", str(args.num_prompts),
+                            "--concurrency", str(args.concurrency), "--seed", "0"],
+                      os.path.join(tempfile.mkdtemp(), "run.json"))
         wall = time.monotonic() - t_run
-        after, cpu_after = counters(url), cpu_seconds(proc.pid)
-        res = json.load(open(out))
+        after, cpu_after = counters(url), cpu_seconds(server.pid)
         delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
         q = delta.get("conveyor:prefix_cache_queries_total", 0.0)
         row = {
@@ -117,16 +92,6 @@ def run_setup(name: str, args: argparse.Namespace) -> dict:
         }
         print(json.dumps(row), flush=True)
         return row
-    finally:
-        proc.send_signal(signal.SIGTERM)  # the server stops its own Ray instance
-        try:
-            proc.wait(90)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the session
-        except ProcessLookupError:
-            pass
 
 
 def main() -> None:
@@ -139,9 +104,9 @@ def main() -> None:
     p.add_argument("--prefix-len", type=int, default=512)
     p.add_argument("--setups", default=",".join(SETUPS), help="comma-separated names from SETUPS")
     args = p.parse_args()
+    study = Study()
     rows = [run_setup(name, args) for name in args.setups.split(",")]
-    with open(args.out, "w") as f:
-        json.dump({"cpu": f"{cpu_name()}, {os.cpu_count()} CPUs", "args": vars(args), "rows": rows}, f, indent=1)
+    study.write(args.out, {"cpu": f"{cpu_name()}, {os.cpu_count()} CPUs", "args": vars(args), "rows": rows})
 
 
 

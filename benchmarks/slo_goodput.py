@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import tempfile
@@ -35,17 +34,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from conveyor.bench.compare import cpu_name  # noqa: E402
+from conveyor.bench.study import Study, cpu_name, pct  # noqa: E402
 from conveyor.bench.workloads import CHAT, WorkloadSpec, arrival_offsets, generate  # noqa: E402
 from conveyor.config import EngineConfig  # noqa: E402
 from conveyor.engine.llm_engine import LLMEngine  # noqa: E402
 from conveyor.request import make_request  # noqa: E402
 from conveyor.sampling_params import SamplingParams  # noqa: E402
-
-
-def pct(xs: list[float], q: float) -> float | None:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
 
 
 def submit(engine: LLMEngine, rid: str, req, arrival: float) -> None:
@@ -124,9 +118,9 @@ def summarize(recs: list[dict]) -> dict:
                     "ttft_ok": sum(r["ttft_ms"] <= r["ttft_target_ms"] for r in mine if r["ttft_target_ms"]),
                     "tpot_ok": sum(r["tpot_ms"] is None or r["tpot_target_ms"] is None
                                    or r["tpot_ms"] <= r["tpot_target_ms"] for r in mine),
-                    "ttft_p50_ms": pct([r["ttft_ms"] for r in mine], 0.5),
-                    "ttft_p99_ms": pct([r["ttft_ms"] for r in mine], 0.99),
-                    "tpot_p50_ms": pct(tpots, 0.5), "tpot_p99_ms": pct(tpots, 0.99)}
+                    "ttft_p50_ms": pct([r["ttft_ms"] for r in mine], 50),
+                    "ttft_p99_ms": pct([r["ttft_ms"] for r in mine], 99),
+                    "tpot_p50_ms": pct(tpots, 50), "tpot_p99_ms": pct(tpots, 99)}
     return out
 
 
@@ -210,6 +204,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=REPO / "docs/fairness/slo_goodput.json")
     ap.add_argument("--plot", type=Path, default=None, help="default: --out with .png")
     args = ap.parse_args()
+    study = Study()
     names = [s.strip() for s in args.strategies.split(",") if s.strip()]
     model = args.model
     dtype = args.dtype or ("float32" if model == "tiny" else "bfloat16")
@@ -258,8 +253,7 @@ def main() -> int:
     result["ratio"] = result["strategies"][best]["summary"]["goodput_req_s"] / g0 if g0 else None
     result["load_after"] = os.getloadavg()
     result["wall_s"] = time.monotonic() - t_start
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    study.write(args.out, result)
     png = args.plot or args.out.with_suffix(".png")
     plot(result, png)
     ratio = f"{result['ratio']:.2f}x" if result["ratio"] is not None else "n/a (baseline goodput 0)"

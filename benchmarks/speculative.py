@@ -22,7 +22,9 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vs_vllm import LOADS, stop, wait_ready  # noqa: E402
+from vs_vllm import LOADS  # noqa: E402
+
+from conveyor.bench.study import Server, Study, cpu_name, lab_run  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = {
@@ -34,14 +36,13 @@ CONFIGS = {
 }
 
 
-def serve(spec: dict | None, port: int, log) -> tuple:
-    import subprocess
+def server(spec: dict | None, port: int, log) -> Server:
+    """`conveyor serve` of SmolLM2 with `spec` as its --speculative-config, not started."""
     cmd = [sys.executable, "-m", "conveyor", "serve", "--model", "smollm2-135m", "--port", str(port),
            "--host", "127.0.0.1", "--log-interval", "1000"]
     if spec is not None:
         cmd += ["--speculative-config", json.dumps(spec)]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    return proc, f"http://127.0.0.1:{port}"
+    return Server(cmd, port, log=log, ready_timeout=600, poll_s=1.0, stop_timeout=30, term_group=True)
 
 
 def metrics(url: str) -> dict[str, float]:
@@ -84,10 +85,9 @@ def repeat_workload(url: str, max_tokens: int) -> dict:
 
 def load64(url: str, out: Path, log) -> dict:
     import subprocess
-    cmd = [sys.executable, "-m", "conveyor", "bench", "run", "--url", url, "--served-model", "smollm2-135m",
-           "--model", "smollm2-135m", "--dtype", "bfloat16", "--no-progress", "--out", str(out), *LOADS["64 clients"]]
-    subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)
-    r = json.loads(out.read_text())
+
+    r = lab_run(url, ["--served-model", "smollm2-135m", "--model", "smollm2-135m", "--dtype", "bfloat16",
+                      "--no-progress", *LOADS["64 clients"]], out, stdout=log, stderr=subprocess.STDOUT)
     return {"output_tok_s": r["output_throughput"], "ttft_p50_ms": 1000 * r["ttft_s"]["p50"],
             "tpot_p50_ms": 1000 * r["tpot_s"]["p50"]}
 
@@ -99,15 +99,14 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--skip-load", action="store_true", help="only the single-client repeat workload")
     args = ap.parse_args()
+    study = Study()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    log = open(args.out.parent / "servers.log", "a")
-    from conveyor.kernels.variants import cpu_name
+    log = open(args.out.parent / "servers.log", "a")  # noqa: SIM115 - every server's, to the end
     results: dict = {"cpu": cpu_name(), "nproc": os.cpu_count(), "configs": {}}
     for name in args.configs.split(","):
         spec = CONFIGS[name]
-        proc, url = serve(spec, 8020, log)
-        try:
-            wait_ready(url, proc, 600)
+        with server(spec, 8020, log) as srv:
+            url = srv.url
             res: dict = {"speculative_config": spec}
             repeat_workload(url, 16)  # warm-up
             before = metrics(url)
@@ -123,8 +122,6 @@ def main() -> int:
                 res["random, 64 clients"] = load64(url, args.out.parent / f"load64_{name.replace(' ', '_')}.json", log)
                 print(name, "64 clients:", res["random, 64 clients"], flush=True)
             results["configs"][name] = res
-        finally:
-            stop(proc)
     off = results["configs"].get("off")
     print("\n| config | repeat, 1 client: tok/s | vs off | acceptance | mean accepted length | 64 clients: tok/s "
           "| vs off |")
@@ -138,7 +135,7 @@ def main() -> int:
         lr = f"{l64['output_tok_s'] / off['random, 64 clients']['output_tok_s']:.2f}x" if l64 and off and \
             off.get("random, 64 clients") else "-"
         print(f"| {name} | {rep['output_tok_s']:.1f} | {ratio:.2f}x | {acc} | {mal} | {lt} | {lr} |")
-    args.out.write_text(json.dumps(results, indent=1))
+    study.write(args.out, results)
     return 0
 
 

@@ -16,7 +16,8 @@ import argparse
 import random
 
 import torch
-from sampler import best_ms  # benchmarks/sampler.py, beside this script
+
+from conveyor.bench.study import best_ms
 
 
 def attention_step(reqs: list[tuple[int, int]], rounds: int, h: int = 9, hkv: int = 3, d: int = 64,

@@ -18,7 +18,7 @@ import statistics
 import time
 
 from conveyor import LLM, SamplingParams, StructuredOutputsParams
-from conveyor.kernels.variants import cpu_name
+from conveyor.bench.study import Study, cpu_name
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 40},
@@ -64,6 +64,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    study = Study()
     llm = LLM(args.model)
     configs = {"none": 0, "half": args.batch // 2, "all": args.batch}
     run(llm, args.batch, args.batch, 16)  # warm-up: kernels, the llguidance tokenizer, the schema's compilation
@@ -82,10 +83,9 @@ def main() -> None:
     for name in ("half", "all"):
         print(f"{name}: {summary[name]['tok_s'] / base:.3f}x the throughput of none")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"cpu": cpu_name(), "args": vars(args), "engine": {
-                "dtype": llm.engine.info.dtype, "weights": llm.engine.info.weight_dtype},
-                "summary": summary, "runs": results}, f, indent=1)
+        study.write(args.out, {"cpu": cpu_name(), "args": vars(args), "engine": {
+            "dtype": llm.engine.info.dtype, "weights": llm.engine.info.weight_dtype},
+            "summary": summary, "runs": results})
 
 
 if __name__ == "__main__":

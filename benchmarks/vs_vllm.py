@@ -27,18 +27,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
-import httpx
-import psutil
-
 from conveyor.bench.stats import FlopModel, attention_ctx_sum
+from conveyor.bench.study import Neighbours, Server, Study, TreeMemory, cpu_flags, lab_run, read_result
 
 REPO = Path(__file__).resolve().parent.parent
 # vLLM's client shim, in the team's shared/ folder beside the checkout (or beside a folder of work trees)
@@ -72,36 +68,8 @@ QWEN_SHAPE = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
 VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu"}
 
 
-def cpu_flags_of_interest() -> list[str]:
-    from conveyor.kernels import cpu_flags
-    return [f for f in cpu_flags().split() if f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16",
-                                                      "amx_tile", "amx_int8")]
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"server at {url} not ready after {timeout}s")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the server's whole process group (vLLM leaves an engine-core child), then SIGKILL."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(30)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+# the CPU flags the results record (`cpu_flags` in the JSON, and the report's CPU line)
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "amx_int8")
 
 
 def make_qwen_shape(peers: Path) -> Path:
@@ -148,65 +116,6 @@ def model_dir(name: str, peers: Path) -> Path:
     return peers / "smollm2-hf" if name == "smollm2" else make_qwen_shape(peers)
 
 
-class Neighbours:
-    """`n` CPU-bound processes (`python -c "while True: pass"`, issue 48's neighbour) while a client runs."""
-
-    def __init__(self, n: int) -> None:
-        self.n, self.procs = n, []
-
-    def __enter__(self) -> Neighbours:
-        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(self.n)]
-        if self.n:
-            time.sleep(2)  # let the servers see them (conveyor re-checks its cores every 0.5 s)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for p in self.procs:
-            p.kill()
-            p.wait()
-
-
-class TreeMemory(threading.Thread):
-    """Samples the resident memory of a server's whole process tree (RSS summed, and PSS where the kernel gives
-    it, which counts pages shared between the tree's processes once) every `every` seconds: its peak while
-    loading (until `ready()`) and while serving, and the time to ready."""
-
-    def __init__(self, pid: int, every: float = 0.25) -> None:
-        super().__init__(daemon=True)
-        self.pid, self.every, self.t0 = pid, every, time.monotonic()
-        self.ready_s: float | None = None
-        self.peak = {"loading": [0, 0], "serving": [0, 0]}  # phase -> [rss, pss] bytes
-        self._stop = threading.Event()
-        self.start()
-
-    def ready(self) -> None:
-        self.ready_s = time.monotonic() - self.t0
-
-    def run(self) -> None:
-        while not self._stop.wait(self.every):
-            try:
-                root = psutil.Process(self.pid)
-                procs = [root, *root.children(recursive=True)]
-            except psutil.Error:
-                continue
-            rss = pss = 0
-            for p in procs:
-                try:
-                    full = p.memory_full_info()
-                    rss += full.rss
-                    pss += getattr(full, "pss", full.rss)
-                except psutil.Error:
-                    pass
-            peak = self.peak["loading" if self.ready_s is None else "serving"]
-            peak[0], peak[1] = max(peak[0], rss), max(peak[1], pss)
-
-    def result(self) -> dict:
-        self._stop.set()
-        gib = 2**30
-        return {"ready_s": self.ready_s, **{f"peak_{kind}_{phase}_gib": round(v[i] / gib, 2)
-                                            for phase, v in self.peak.items() for i, kind in enumerate(("rss", "pss"))}}
-
-
 # conveyor's flags for a GGUF file by its format: none, its defaults are what a user gets (a GGUF file whose layer
 # weights are Q8_0, Q4_0, Q5_x or k-quants is served in its blocks; docs/quantization.md)
 GGUF_CONVEYOR_FLAGS: dict[str, list[str]] = {}
@@ -214,13 +123,14 @@ GGUF_CONVEYOR_FLAGS: dict[str, list[str]] = {}
 
 class Servers:
     """Starts one server at a time on a fresh port (llama-server does not reuse a port in TIME_WAIT), each with
-    a `TreeMemory` watching its process tree (`memory[proc.pid]`)."""
+    a `TreeMemory` watching its process tree (`memory[server.pid]`). Stopping one SIGTERMs its whole process group
+    (vLLM leaves an engine-core child), then SIGKILLs what is left after 30 s."""
 
     def __init__(self, args, log, work: Path) -> None:
         self.args, self.log, self.port, self.work = args, log, 8200, work
         self.memory: dict[int, TreeMemory] = {}
 
-    def start(self, server: str, model: str, variant: str, gguf: Path | None = None) -> tuple[subprocess.Popen, str]:
+    def start(self, server: str, model: str, variant: str, gguf: Path | None = None) -> tuple[Server, str]:
         """`gguf`: serve that file (conveyor with its format's flags, or llama.cpp) instead of `model`'s weights."""
         peers = Path(self.args.peers)
         self.port += 1
@@ -247,15 +157,15 @@ class Servers:
             cmd = [str(peers / "llama.cpp/build/bin/llama-server"), "-m", str(gguf), "--alias", model, "--host",
                    "127.0.0.1", "--port", str(port), "-np", "1", "-c", "4096", "-t", str(os.cpu_count())]
         print(f"{server} ({variant}): {' '.join(cmd)}", flush=True)
-        proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = Server(cmd, port, env=env, log=self.log, poll_s=1.0, stop_timeout=30, term_group=True).start()
         self.memory[proc.pid] = TreeMemory(proc.pid)
-        return proc, f"http://127.0.0.1:{port}"
+        return proc, proc.url
 
-    def ready(self, proc: subprocess.Popen, url: str, timeout: float = 1800) -> None:
-        wait_ready(url, proc, timeout)
+    def ready(self, proc: Server, url: str, timeout: float = 1800) -> None:
+        proc.wait_ready(timeout)
         self.memory[proc.pid].ready()
 
-    def memory_of(self, proc: subprocess.Popen) -> dict:
+    def memory_of(self, proc: Server) -> dict:
         return self.memory.pop(proc.pid).result()
 
 
@@ -296,11 +206,9 @@ def vllm_client(url: str, model: str, load: str, mode: str, out: Path, args, log
 
 def our_client(url: str, model: str, load: str, out: Path, log) -> dict:
     """One run of `conveyor bench run --url` (token-id prompts, streaming, greedy: its only mode)."""
-    cmd = [sys.executable, "-m", "conveyor", "bench", "run", "--url", url, "--served-model", model, "--model",
-           "smollm2-135m", "--no-progress", "--out", str(out), *LOADS[load][1]]
     print(f"    conveyor client, {load}, greedy", flush=True)
-    subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **VLLM_ENV})
-    r = json.loads(out.read_text())
+    r = lab_run(url, ["--served-model", model, "--model", "smollm2-135m", "--no-progress", *LOADS[load][1]], out,
+                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **VLLM_ENV})
     return {"client": "conveyor bench run", "completed": r["completed"], "output_throughput": r["output_throughput"],
             "ttft_p50_ms": 1000 * r["ttft_s"]["p50"], "ttft_p99_ms": 1000 * r["ttft_s"]["p99"],
             "tpot_p50_ms": 1000 * r["tpot_s"]["p50"], "input_tokens": r["input_tokens"],
@@ -390,7 +298,7 @@ ONE_STREAM = [("conveyor", "bf16", "greedy"), ("conveyor", "bf16", "top_p"), ("c
               ("llamacpp", "f16", "greedy"), ("llamacpp", "q4_1", "greedy")]
 
 
-def one_stream_rounds(args, servers: Servers, log, results: dict) -> None:
+def one_stream_rounds(args, servers: Servers, log, results: dict, study: Study) -> None:
     """`--llamacpp --rounds N`: conveyor (bf16, int4) and llama.cpp (F16, Q4_1) started once each, one after
     the other, and kept up (idle while another is driven), then N rounds of one stream on each, the order
     rotated every round and new prompts every round (the same for every server within a round). Why: on a
@@ -412,10 +320,10 @@ def one_stream_rounds(args, servers: Servers, log, results: dict) -> None:
                                   seed=100 + r)
                 rows.append({"round": r + 1, "server": server, "variant": variant, "mode": mode, **res})
                 results["one_stream_rounds"] = rows
-                args.out.write_text(json.dumps(results, indent=1))
+                study.write(args.out, results, final=False)
     finally:
         for proc, _ in procs.values():
-            stop(proc)
+            proc.stop()
 
 
 def decode_bytes(path: Path) -> int:
@@ -449,7 +357,7 @@ def parse_gguf(spec: str) -> list[tuple[str, Path]]:
     return out
 
 
-def gguf_rounds(args, servers: Servers, log, results: dict) -> None:
+def gguf_rounds(args, servers: Servers, log, results: dict, study: Study) -> None:
     """`--gguf FORMAT=FILE,...`: one stream on conveyor and on llama.cpp's server, both serving the same file, in
     `--rounds` rounds (order alternating, new prompts each round, the same for both within a round). Both
     servers are up at once, so a round compares them minutes apart at most, unless `--one-at-a-time` (a file
@@ -479,12 +387,12 @@ def gguf_rounds(args, servers: Servers, log, results: dict) -> None:
                         rows.append({"format": fmt, "file": str(path), "server": server, "round": r + 1,
                                      "decode_bytes": nbytes, "weight_read_GBps": round(gbps / 1e9, 2),
                                      "bandwidth_share": round(gbps / bandwidth, 3) if bandwidth else None, **res})
-                        args.out.write_text(json.dumps(results, indent=1))
+                        study.write(args.out, results, final=False)
             finally:
                 for server, (proc, _) in procs.items():
-                    stop(proc)
+                    proc.stop()
                     starts[f"{fmt}|{server}"] = servers.memory_of(proc)
-                args.out.write_text(json.dumps(results, indent=1))
+                study.write(args.out, results, final=False)
 
 
 def report_gguf(results: dict) -> None:
@@ -613,14 +521,15 @@ def main() -> int:
     args.rounds = max(args.rounds, 1)
     parse_models(args.models)
     if args.report_only:
-        report(json.loads(args.out.read_text()))
+        report(read_result(args.out))
         return 0
     from conveyor.kernels.variants import cpu_name
+    study = Study()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     work = args.out.parent / "runs"
     work.mkdir(exist_ok=True)
     log = open(work / "servers.log", "a")
-    results: dict = {"cpu": cpu_name(), "cpu_flags": cpu_flags_of_interest(), "nproc": os.cpu_count(),
+    results: dict = {"cpu": cpu_name(), "cpu_flags": cpu_flags(CPU_FLAGS), "nproc": os.cpu_count(),
                      "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                      "command": " ".join(sys.argv), "vllm_dtype": args.vllm_dtype, "runs": {}}
     names = parse_models(args.models)
@@ -639,7 +548,8 @@ def main() -> int:
             for load in loads:
                 for nb in neighbours:  # quiet, then beside `nb` busy processes, for each load on this server
                     label = load + (f" +{nb} busy" if nb else "")
-                    with Neighbours(nb):
+                    # issue 48's neighbours; 2 s for the servers to see them (conveyor re-checks its cores every 0.5 s)
+                    with Neighbours(nb, settle_s=2.0):
                         for mode in modes:
                             stem = f"{model}_{server}_{variant}_{label.replace(' ', '-')}_{mode}"
                             key = "|".join([model, server, variant, label, mode])
@@ -648,14 +558,14 @@ def main() -> int:
                             if args.our_client and server != "llamacpp" and mode == "greedy":
                                 results["runs"][key + "|conveyor"] = our_client(url, model, load,
                                                                                 work / f"{stem}_ours.json", log)
-                            args.out.write_text(json.dumps(results, indent=1))
+                            study.write(args.out, results, final=False)
         finally:
-            stop(proc)
+            proc.stop()
             results.setdefault("starts", {})["|".join([model, server, variant])] = servers.memory_of(proc)
     if args.gguf:
-        gguf_rounds(args, servers, log, results)
+        gguf_rounds(args, servers, log, results, study)
     if args.llamacpp and args.rounds > 1:
-        one_stream_rounds(args, servers, log, results)
+        one_stream_rounds(args, servers, log, results, study)
     report(results)
     bandwidth = results.get("read_bandwidth_bytes_per_s")
     for key, r in results["runs"].items():
@@ -668,7 +578,7 @@ def main() -> int:
             rates = {int(k): v for k, v in results["gemm_bf16_flops_per_s"][model].items()}
             r["gemm_ceiling_share"] = ceiling_share(r, configs[model], rates)
     report_ceilings(results)
-    args.out.write_text(json.dumps(results, indent=1))
+    study.write(args.out, results)
     print(f"\nwritten to {args.out}")
     return 0
 

@@ -6,6 +6,8 @@
     conveyor bench report docs/lab/results.json     # re-render the report from saved numbers
     conveyor bench sweep --knob max_num_seqs=8,16,32,64 --concurrency 64   # one knob over a range
     conveyor bench stress overload|storm|soak --url http://127.0.0.1:8000   # docs/reliability.md
+    conveyor bench study                          # the studies in benchmarks/, each with its one line
+    conveyor bench study vs_vllm --models smollm2 # run one (benchmarks/vs_vllm.py) with its own flags
 
 `conveyor bench` without a subcommand means `run`.
 """
@@ -186,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--tokens", default="512,2048,8192", help="max_num_batched_tokens values of the coarse grid")
     add_workload_args(tu)
     add_engine_args(tu)
+    # parsed by cmd_study itself (everything after NAME is the study's): here for `conveyor bench --help`
+    sub.add_parser("study", add_help=False, help="list the studies in benchmarks/, or run one: "
+                   "`conveyor bench study NAME [ARGS...]` (from a source checkout)")
     return document(parser)
 
 
@@ -204,8 +209,57 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_study(argv: list[str]) -> int:
+    """`conveyor bench study [NAME [ARGS...]]`: list the studies, or run benchmarks/NAME.py (or .sh) with ARGS in
+    place of this process, recording this command line as the one its result names."""
+    from conveyor.bench import study
+
+    folder = study.STUDIES
+    found = study.studies(folder) if folder.is_dir() else {}
+    if not found:
+        print(f"conveyor bench study: error: no studies here: they are the scripts in benchmarks/ of a source "
+              f"checkout, and there is none beside this conveyor ({folder.parent}; an installed wheel has none). "
+              "Run it from a clone of the repository.", file=sys.stderr)
+        return 2
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: conveyor bench study [NAME [ARGS...]]\n\nThe studies in "
+              f"{folder}/ (`conveyor bench study NAME --help` for one's flags):\n")
+        width = max(map(len, found))
+        for name, path in found.items():
+            print(f"  {name:<{width}}  {study.describe(path)}")
+        return 0
+    name, args = argv[0], argv[1:]
+    path = found.get(name) or found.get(Path(name).stem)
+    if path is None:
+        print(f"conveyor bench study: error: no study {name!r}; the studies: {', '.join(found)}", file=sys.stderr)
+        return 2
+    if path.suffix == ".sh" and args[:1] in (["-h"], ["--help"]):  # a shell script takes no --help: its header
+        print("\n".join(line.lstrip("#") for line in path.read_text().splitlines()[1:] if line.startswith("#")))
+        return 0
+    cmd = [sys.executable, str(path), *args] if path.suffix == ".py" else ["bash", str(path), *args]
+    typed = list(getattr(sys, "orig_argv", None) or sys.argv)
+    if len(typed) > 1 and Path(typed[1]).name == "conveyor":  # the console script: as the user typed it
+        typed = typed[1:]
+        typed[0] = "conveyor"
+    # the study imports this conveyor (its checkout first on the path) and records the command typed here
+    env = {**os.environ, study.STUDY_ARGV_ENV: json.dumps(typed),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(folder.parent), os.environ.get("PYTHONPATH")]))}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if os.name != "posix":
+        import subprocess
+
+        return subprocess.call(cmd, env=env)
+    import shutil
+
+    os.execve(shutil.which(cmd[0]) or cmd[0], cmd, env)  # the study replaces this process: its signals, its exit code
+    raise AssertionError("unreachable: execve returned")
+
+
 def main(argv: list[str]) -> int:
     argv = list(argv)
+    if argv and argv[0] == "study":
+        return cmd_study(argv[1:])
     parser = build_parser()
     if not argv or argv[0] not in ("run", "compare", "report", "replay", "stress", "sweep", "tune", "-h", "--help"):
         argv = ["run", *argv]  # `conveyor bench` alone means `conveyor bench run`

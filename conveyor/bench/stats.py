@@ -13,11 +13,20 @@ from dataclasses import dataclass
 PERCENTILES = (50, 90, 99)
 
 
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear-interpolation percentile (numpy's default), None for no data."""
+def percentile(values: Sequence[float], q: float, method: str = "linear") -> float | None:
+    """The q-th percentile (q in percent), None for no data.
+
+    `linear` interpolates between the two nearest samples (numpy's default), what the lab's reports use.
+    `rank` is the sorted samples' element at index floor(q/100 * n) (the last one past the end): always a
+    sample that occurred, what the studies in benchmarks/ have always reported (their docs' numbers are it).
+    """
     if not values:
         return None
     xs = sorted(values)
+    if method == "rank":
+        return xs[min(len(xs) - 1, int(q / 100 * len(xs)))]
+    if method != "linear":
+        raise ValueError(f"method must be 'linear' or 'rank', got {method!r}")
     pos = (len(xs) - 1) * q / 100
     lo = math.floor(pos)
     hi = min(lo + 1, len(xs) - 1)
