@@ -30,7 +30,7 @@ from conveyor.config import EngineConfig
 from conveyor.kv_cache import KVCacheManager
 from conveyor.outputs import FinishReason
 from conveyor.request import Request, ScheduledItem, Status, Tier
-from conveyor.scheduler.step_cost import SeqStepCost, StepTimer
+from conveyor.scheduler.step_cost import DecodeShare, SeqStepCost, StepTimer
 
 INTERACTIVE, BATCH = Tier.INTERACTIVE, Tier.BATCH
 # the batch tier's share of a step while interactive work is about (`Scheduler.tier_budget`)
@@ -49,6 +49,7 @@ class Step:
     admitted: list[Request] = field(default_factory=list)
     scheduled_ids: set[str] = field(default_factory=set)
     lora_ids: set[int] = field(default_factory=set)  # distinct LoRA adapters in this step
+    interactive_decodes: int | None = None  # a step of this many interactive decodes and batch lines (tier_budget)
 
     @property
     def num_tokens(self) -> int:
@@ -94,6 +95,7 @@ class Scheduler:
         self._tiers: dict[Tier, tuple[list[Request], deque[Request]]] | None = None  # each tier's queues, mid-plan
         self._reclaimable: list[Request] = []  # batch lines the interactive pass may take seats and blocks from
         self.timer = StepTimer(SeqStepCost())  # how long steps take, for the batch tier's share (`tier_budget`)
+        self.decode_share = DecodeShare()  # what batch tokens cost interactive decode steps, measured on them
         self.last_interactive: float | None = None  # when interactive work was last here (clock)
         self.interactive_prompt_tokens: float | None = None  # running mean of their prompts' uncomputed tokens
 
@@ -236,7 +238,12 @@ class Scheduler:
 
     # --- the step ---------------------------------------------------------------------------------
     def schedule(self) -> Step:
-        self.timer.observe(self)
+        timed = self.timer.observe(self)
+        if timed is not None and timed[0].interactive_decodes is not None:
+            last, seconds = timed
+            batch = [it.num_tokens for it in last.items if it.request.tier is BATCH]
+            if all(n == 1 for n in batch):  # decodes only: a batch prompt's chunk costs less a token, not measured
+                self.decode_share.observe(last.interactive_decodes, len(batch), seconds)
         step = Step(self.config.max_num_batched_tokens, self.max_num_seqs)
         if self.kv.tier is not None:
             self.kv.poll_loads()  # blocks read from disk since the last step join the pool's cached blocks
@@ -280,6 +287,8 @@ class Scheduler:
             if step.items and not getattr(self._policy, "tiers_share_steps", False):
                 return
             self.tier_budget(step)
+            if not step.has_room():
+                return  # nothing for the batch tier in this step: not even its queue's order is worth computing
             self.running, self.waiting = batch_run, batch_wait
             self.max_num_seqs = max(seats - len(inter_run), 0)
             self.batch_policy.schedule(self, step)
@@ -305,12 +314,12 @@ class Scheduler:
         `batch_tier_quiet_s`), so that interactive requests barely notice the batch tier:
         - a step that carries an interactive prompt (or a chunk of one) takes no batch tokens: a first token
           does not wait for batch work;
-        - a step of interactive decodes alone may grow to `batch_tier_slowdown` x its own cost (by the online
-          step-cost model, `SeqStepCost`: a fixed cost, one per token and one per sequence), which bounds what the
-          batch tier adds to their time per output token;
+        - a step of interactive decodes may grow to `batch_tier_slowdown` x the time it takes alone, by what batch
+          tokens were measured to add to such steps (`DecodeShare`), which bounds what the batch tier adds to
+          their time per output token;
         - a step with no interactive work takes at most the cost of a typical interactive prompt's step (the
-          running mean of their uncomputed tokens): an interactive request arriving while it runs waits at most
-          about as long as its own first step takes.
+          running mean of their uncomputed tokens, by the online step-cost model `SeqStepCost`): an interactive
+          request arriving while it runs waits at most about as long as its own first step takes.
         Nothing is cut without interactive traffic (the batch then runs at the engine's full throughput), with
         `batch_tier_slowdown` 0, or before the cost model has seen a step. A step with no interactive work always
         leaves the batch at least one token, so that it progresses in every step interactive work leaves empty."""
@@ -320,16 +329,15 @@ class Scheduler:
         if (not slowdown or self.last_interactive is None or now - self.last_interactive > cfg.batch_tier_quiet_s
                 or self.timer.cost.fit() is None):
             return
-        inter_tokens = step.num_tokens
         if any(it.num_tokens - it.num_draft > 1 or not it.request.output_token_ids for it in step.items):
             step.token_budget = 0  # an interactive prompt (or a chunk of one, or a recompute) is in this step
             return
-        a, b, c = self.timer.cost.fit()
-        per_item = max(b + c, 1e-12)  # what a batch decode adds (a prompt token adds less: this errs on the safe side)
-        if inter_tokens:
-            room = (slowdown - 1) * (a + b * inter_tokens + c * len(step.items))
-            fit = int(room / per_item)
+        if step.items:
+            step.interactive_decodes = len(step.items)
+            fit = self.decode_share.budget(len(step.items), slowdown)
         else:  # the step's fixed cost is paid anyway; the rest may grow to an interactive prompt's share
+            a, b, c = self.timer.cost.fit()
+            per_item = max(b + c, 1e-12)  # what a batch decode adds (a prompt token adds less: errs on the safe side)
             fit = max(int((b * (self.interactive_prompt_tokens or 1) + c) / per_item), 1)
         step.token_budget = min(step.token_budget, max(fit, 0))
 

@@ -144,6 +144,8 @@ class IterationPolicy(Policy):
         s.schedule_running(step, decodes + prefills, chunk=True, victims=self.victim)
         if len(step.preempted) > before:
             return  # the pool is full: admitting more would only thrash
+        if not step.has_room() or not s.waiting:
+            return  # (ordering the queue looks every waiting request's prefix up: not for nothing)
         long_running = sum(1 for r in s.running if r.is_prefill and r.num_remaining_work > self.long_threshold)
         inflight = self.inflight_prefix_hashes(s, s.running)
         for req in s.prefer_resident_loras(self.order_waiting(s), step):

@@ -7,6 +7,8 @@ the scheduler core (`core.py`) to keep the batch tier's share of a step within w
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from typing import Any
 
 
@@ -125,9 +127,11 @@ class StepTimer:
         self.cost = cost if cost is not None else StepCost()
         self.last: tuple[float, Any] | None = None  # the last step: when it was planned, and the `Step` itself
 
-    def observe(self, s: Any) -> None:
-        """`s`: the scheduler (anything with a `clock()`)."""
+    def observe(self, s: Any) -> tuple[Any, float] | None:
+        """`s`: the scheduler (anything with a `clock()`). Returns the step just timed and its seconds (None: it
+        could not be timed)."""
         now = s.clock()
+        timed = None
         if self.last is not None:
             t, step = self.last
             tokens = step.num_tokens
@@ -136,7 +140,67 @@ class StepTimer:
                     self.cost.observe_step(tokens, len(step.items), now - t)
                 else:
                     self.cost.observe(tokens, now - t)
+                timed = step, now - t
         self.last = None
+        return timed
 
     def planned(self, s: Any, step: Any) -> None:
         self.last = (s.clock(), step)
+
+
+class DecodeShare:
+    """What batch tokens cost an interactive decode step, measured on those very steps: the batch tier's share
+    of them (`Scheduler.tier_budget`).
+
+    A model fitted over every step (`SeqStepCost`) answers "what does a step of this size cost" well on
+    average, but the batch tier needs one narrow thing: how much longer a step of `n` interactive decodes
+    gets per batch token added. Fitted over steps that were mostly large batch-only ones, the model's fixed
+    cost came out too high and its per-sequence cost too low, and the tier put twice the batch decodes it
+    should have beside a lone interactive stream. So this measures it directly, with medians of the recent
+    steps (a collector's pause or a burst of the event loop's work would drag a mean):
+    - `ref(n)`: the time of a step of `n` interactive decodes with no batch tokens. Every `probe_every`-th such
+      step, and the first ones of each `n`, take no batch tokens, to keep it current (the context grows, the
+      machine's load changes);
+    - `per_token`: (time - ref(n)) / batch tokens over the steps whose batch tokens were all decodes (a batch
+      prompt's chunk costs less per token: mixed in, it made the estimate small and let ten times the batch
+      decodes in afterwards). Never taken below `ref(n) / max_tokens_per_ref`, so that one fast step cannot
+      open the gate wide.
+    Then a step of `n` decodes may carry `(slowdown - 1) * ref(n) / per_token` batch tokens (decodes, or a
+    prompt chunk of that many tokens, which costs less). Until a batch token has been timed, one is let in at a
+    time: the first measurement."""
+
+    def __init__(self, probe_every: int = 12, window: int = 15, max_tokens_per_ref: float = 100.0) -> None:
+        self.probe_every = probe_every
+        self.window = window
+        self.max_tokens_per_ref = max_tokens_per_ref
+        self._ref: dict[int, deque[float]] = {}
+        self._per_token: deque[float] = deque(maxlen=window)
+        self._since_probe = 0
+
+    def ref(self, n: int) -> float | None:
+        """The median time of the recent steps of `n` interactive decodes alone (None: none seen yet)."""
+        times = self._ref.get(n)
+        return statistics.median(times) if times and len(times) >= 3 else None
+
+    @property
+    def per_token(self) -> float | None:
+        return statistics.median(self._per_token) if self._per_token else None
+
+    def observe(self, n: int, batch_tokens: int, seconds: float) -> None:
+        """A step of `n` interactive decodes and `batch_tokens` batch decodes took `seconds`."""
+        if batch_tokens == 0:
+            self._ref.setdefault(n, deque(maxlen=self.window)).append(seconds)
+        elif (ref := self.ref(n)) is not None:
+            self._per_token.append((seconds - ref) / batch_tokens)
+
+    def budget(self, n: int, slowdown: float) -> int:
+        """Batch tokens the next step of `n` interactive decodes may carry (0 in a probe step)."""
+        ref = self.ref(n)
+        self._since_probe += 1
+        if ref is None or self._since_probe >= self.probe_every:
+            self._since_probe = 0
+            return 0
+        per_token = self.per_token
+        if per_token is None:
+            return 1
+        return int((slowdown - 1) * ref / max(per_token, ref / self.max_tokens_per_ref))

@@ -5,12 +5,13 @@ left, resume from their cached prefix after a preemption, and keep their strateg
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 
 from conveyor.request import Request, Tier
 from conveyor.sampling_params import SamplingParams
-from conveyor.scheduler.step_cost import SeqStepCost
+from conveyor.scheduler.step_cost import DecodeShare, SeqStepCost
 
 from .harness import Harness
 
@@ -239,3 +240,53 @@ def test_the_tier_cost_model_tells_sequences_from_tokens():
     for n in (1, 4, 16, 2):
         decodes.observe_step(n, n, 0.01 + 0.003 * n)
     assert decodes.fit() == pytest.approx((0.01, 0.003, 0.0))
+
+
+def test_the_batch_share_of_decode_steps_is_measured_on_them():
+    """`DecodeShare`: probes first (no batch token until three steps of n decodes alone were timed), then one
+    token until a batch token was timed, then (slowdown - 1) x ref / per-token; every probe_every-th step a
+    probe again; a step faster than ref cannot open the gate past ref / max_tokens_per_ref per token."""
+    share = DecodeShare(probe_every=4)
+    assert [share.budget(1, 1.25) for _ in range(3)] == [0, 0, 0]
+    for _ in range(3):
+        share.observe(1, 0, 0.010)
+    assert share.budget(1, 1.25) == 1
+    share.observe(1, 1, 0.0104)  # a batch decode adds 0.4 ms
+    assert [share.budget(1, 1.25) for _ in range(3)] == [6, 6, 0]  # 2.5 ms of room / 0.4 ms; the 4th call: a probe
+    assert share.budget(2, 1.25) == 0  # two decodes: their own reference first
+    for _ in range(20):
+        share.observe(1, 4, 0.009)  # faster than alone (noise): the per-token cost floors at ref / 100
+    assert max(share.budget(1, 1.25) for _ in range(3)) == 25
+
+
+def test_the_batch_tier_holds_decode_steps_to_the_target_on_a_cost_no_line_fits():
+    """A step cost no linear model fits (the first extra row costs a jump: another kernel path), with noise:
+    interactive decodes beside 40 batch lines stay within 1.3x of their time alone on average, and batch lines
+    still ride along in most of their steps."""
+    rng = random.Random(3)
+
+    def cost(step) -> float:
+        rows = len(step.items)
+        return (0.008 + 0.0004 * rows + (0.0008 if rows > 1 else 0.0)
+                + 0.00002 * sum(it.num_tokens for it in step.items)) * rng.uniform(0.85, 1.15)
+
+    h = Harness(num_blocks=4096, scheduler="iteration", max_num_seqs=64, max_num_batched_tokens=256,
+                batch_tier_quiet_s=1.0)
+    [add(h, Tier.BATCH, prompt_len=40, max_tokens=2000) for _ in range(40)]
+    for _ in range(8):
+        step = h.step(dt=0.0)
+        h.clock.now += cost(step)
+    ratios, with_batch = [], 0
+    for _ in range(6):
+        chat = add(h, Tier.INTERACTIVE, prompt_len=24, max_tokens=60)
+        while not chat.finished:
+            step = h.step(dt=0.0)
+            took = cost(step)
+            h.clock.now += took
+            inter = [it for it in step.items if it.request.tier is Tier.INTERACTIVE]
+            if inter and all(it.num_tokens == 1 for it in inter):
+                alone = 0.008 + 0.0004 * len(inter) + 0.00002 * len(inter)
+                ratios.append(took / alone)
+                with_batch += batch_in(step) > 0
+    assert sum(ratios) / len(ratios) <= 1.3, sum(ratios) / len(ratios)
+    assert with_batch > len(ratios) / 2, (with_batch, len(ratios))
