@@ -242,7 +242,7 @@ class Scheduler:
         if timed is not None and timed[0].interactive_decodes is not None:
             last, seconds = timed
             batch = [it.num_tokens for it in last.items if it.request.tier is BATCH]
-            if all(n == 1 for n in batch):  # decodes only: a batch prompt's chunk costs less a token, not measured
+            if all(n == 1 for n in batch):  # decodes only (a prompt chunk costs less per token: not measured)
                 self.decode_share.observe(last.interactive_decodes, len(batch), seconds)
         step = Step(self.config.max_num_batched_tokens, self.max_num_seqs)
         if self.kv.tier is not None:
