@@ -56,3 +56,25 @@ def test_silu_and_mul(dtype):
     x = (torch.randn(13, 2 * 1000, generator=g) * 6).to(dtype)  # 1000: not a multiple of the vector width
     gate, up = x.split(1000, dim=-1)
     torch.testing.assert_close(kernels.load().silu_and_mul(x), F.silu(gate) * up, **tol(dtype))
+
+
+def test_bf16_silu_and_mul_rounds_as_the_fp32_kernel_then_torch():
+    """The bf16 kernel is the fp32 kernel's silu rounded to bf16 (as torch rounds), times up, rounded again:
+    bit for bit, NaN and infinities and tiny products (denormal before rounding) included, over a width that
+    leaves a scalar tail. (The AVX-512 bf16 path rounds in integer lanes: a hardware conversion would flush
+    denormals to zero.)"""
+    g = torch.Generator().manual_seed(3)
+    inter = 1000
+    gate = torch.randn(9, inter, generator=g) * 8
+    up = torch.randn(9, inter, generator=g)
+    gate[0, :6] = torch.tensor([float("nan"), float("inf"), float("-inf"), -90.0, -200.0, 0.0])
+    up[1, :4] = torch.tensor([1e-38, -3e-39, 1e-30, float("nan")])
+    gate, up = gate.bfloat16(), up.bfloat16()
+    ops = kernels.load()
+    act = ops.silu_and_mul(torch.cat([gate.float(), torch.ones_like(gate, dtype=torch.float32)], dim=-1))
+    want = (act.bfloat16().float() * up.float()).bfloat16()
+    got = ops.silu_and_mul(torch.cat([gate, up], dim=-1))
+    nan = want.isnan()
+    assert nan.sum() == 2 and torch.equal(got.isnan(), nan)
+    assert (got.view(torch.int16)[nan] == 0x7FC0).all()  # c10's quiet NaN, as the scalar path writes it
+    assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])

@@ -108,9 +108,12 @@ inline void tile16(const float (*Q)[D], float (*acc)[D], float* m, float* l, con
     const __mmask16 mask = static_cast<__mmask16>((1u << vi) - 1u);
     __m512 s = _mm512_add_ps(sa[i], sb[i]);
     if constexpr (quantized) s = _mm512_mul_ps(s, kscale);
-    const float mx = vi > 0 ? std::max(m[i], _mm512_mask_reduce_max_ps(mask, s)) : m[i];
+    // the running max moves only when a key beats it (rarely, past a prompt's first tiles): else mx = m and
+    // corr = exp_approx(0) = 1 exactly, the same bits without the reduction and the scalar exp
+    const bool moves = vi > 0 && _mm512_mask_cmp_ps_mask(mask, s, _mm512_set1_ps(m[i]), _CMP_GT_OQ) != 0;
+    const float mx = moves ? std::max(m[i], _mm512_mask_reduce_max_ps(mask, s)) : m[i];
     const __m512 p = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(s, _mm512_set1_ps(mx))));
-    corr[i] = vi > 0 ? exp_approx(m[i] - mx) : 1.f;
+    corr[i] = moves ? exp_approx(m[i] - mx) : 1.f;
     l[i] = l[i] * corr[i] + _mm512_reduce_add_ps(p);
     m[i] = mx;
     _mm512_store_ps(pr[i], quantized ? _mm512_mul_ps(p, vscale) : p);
@@ -298,14 +301,17 @@ inline void tile16_dp(const uint32_t (*Qp)[D / 2], float (*acc)[D], float* m, fl
   }
   alignas(64) uint32_t pw[NR][8];  // the weights as bf16 pairs (keys 2j, 2j + 1)
   float corr[NR];
+  bool rescale = false;  // whether any row's max moved (else every corr is 1: the accumulators stay as they are)
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int i = 0; i < NR; ++i) {
     const int vi = std::max(valid[i], 0);
     const __mmask16 mask = static_cast<__mmask16>((1u << vi) - 1u);
     const __m512 s = _mm512_mul_ps(_mm512_add_ps(sa[i], sb[i]), vscale);
-    const float mx = vi > 0 ? std::max(m[i], _mm512_mask_reduce_max_ps(mask, s)) : m[i];
+    const bool moves = vi > 0 && _mm512_mask_cmp_ps_mask(mask, s, _mm512_set1_ps(m[i]), _CMP_GT_OQ) != 0;  // (tile16)
+    const float mx = moves ? std::max(m[i], _mm512_mask_reduce_max_ps(mask, s)) : m[i];
     const __m512 pr = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(s, _mm512_set1_ps(mx))));
-    corr[i] = vi > 0 ? exp_approx(m[i] - mx) : 1.f;
+    corr[i] = moves ? exp_approx(m[i] - mx) : 1.f;
+    rescale |= moves;
     l[i] = l[i] * corr[i] + _mm512_reduce_add_ps(pr);
     m[i] = mx;
     _mm256_store_si256(reinterpret_cast<__m256i*>(pw[i]), (__m256i)_mm512_cvtneps_pbh(pr));
@@ -320,7 +326,10 @@ inline void tile16_dp(const uint32_t (*Qp)[D / 2], float (*acc)[D], float* m, fl
     __m512 a[NR][CH / 16];
     for (int i = 0; i < NR; ++i) {
       const __m512 ci = _mm512_set1_ps(corr[i]);
-      for (int b = 0; b < ch / 16; ++b) a[i][b] = _mm512_mul_ps(_mm512_load_ps(acc[i] + c + b * 16), ci);
+      for (int b = 0; b < ch / 16; ++b) {
+        a[i][b] = _mm512_load_ps(acc[i] + c + b * 16);
+        if (rescale) a[i][b] = _mm512_mul_ps(a[i][b], ci);  // x * 1 == x: skipped when no max moved
+      }
     }
     for (int jp = 0; jp < pairs; ++jp) {
       const int j = 2 * jp;
