@@ -87,8 +87,8 @@ def engine_flags() -> list[EngineFlag]:
                    '"ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
                    "(default: off)"),
         EngineFlag("max_num_seqs", "scheduler", "most sequences in one step", type=int),
-        EngineFlag("max_num_batched_tokens", "scheduler", "token budget of one step (prompt chunks + decodes)",
-                   type=int),
+        EngineFlag("max_num_batched_tokens", "scheduler", "token budget of one step (prompt chunks + decodes; "
+                   "default: 2048 on a CPU, as vLLM's CPU server, 8192 on CUDA)", type=int),
         EngineFlag("scheduler", "scheduler", "batching strategy: " + "; ".join(
             f"{p.name}: {p.summary}" for p in POLICIES.values()), choices=tuple(POLICIES)),
     ]

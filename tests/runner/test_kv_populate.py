@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import errno
 import gc
+import os
 import threading
 import time
 
@@ -123,4 +124,33 @@ def test_beyond_the_first_part_the_pool_is_faulted_in_in_the_background(tiny_lla
     llm.engine.reset(dataclasses.replace(llm.engine.config, kv_cache_memory=POOL_GIB / 4))
     assert not any(t.is_alive() for t in slow)
     out = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_the_background_part_runs_at_the_idle_class_and_still_fills_the_pool(tiny_llama, monkeypatch):
+    """Past its first part the pool is faulted in on a thread of the idle scheduling class: at the normal class
+    it took a core from the engine's own compute threads, whose steps wait for the slowest one (a 1B prefill
+    1.5x slower while it ran). Only that thread changes class, and on a machine with a free core it still
+    gets the whole pool resident."""
+    from conveyor.runner import model_runner
+
+    monkeypatch.setattr(model_runner, "KV_POPULATE_SYNC_BYTES", 16 << 20)
+    classes = []
+    real = model_runner._lowest_priority
+
+    def spy() -> None:
+        real()
+        classes.append(os.sched_getscheduler(0))
+
+    monkeypatch.setattr(model_runner, "_lowest_priority", spy)
+    before = settled_rss()
+    llm = make(tiny_llama, True)
+    runner = llm.engine.runner
+    pool = llm.engine.info.num_kv_blocks * llm.engine.info.bytes_per_block
+    assert runner._populate_job is not None, "a pool past the first part should be populated in the background"
+    runner._populate_job[0].join(timeout=120)
+    assert classes == [os.SCHED_IDLE]
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the process and its other threads keep theirs
+    assert rss() - before > 0.9 * pool
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
