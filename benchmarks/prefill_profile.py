@@ -106,7 +106,7 @@ def main() -> None:
 
     budget = 2048 if 2048 in budgets else budgets[0]
     engine.config.max_num_batched_tokens = budget
-    model = engine.runner.model
+    model = engine.model
     times: collections.Counter = collections.Counter()
     fused = model.fused_body is not None
     model.fuse_body(False)

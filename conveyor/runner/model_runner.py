@@ -17,6 +17,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
@@ -463,6 +464,9 @@ class ModelRunner:
             thread = threading.Thread(target=_populate_rest, args=(tensors, head_blocks, total, stop),
                                       name="conveyor-kv-populate", daemon=True)
             self._populate_job = (thread, stop)
+            # a runner dropped without a reset stops it too (at the idle class it may run long): the thread holds
+            # the pool's tensors, and would keep a discarded engine's pool alive and growing until it was done
+            weakref.finalize(self, stop.set)
             thread.start()
 
     def _stop_populating(self) -> None:

@@ -6,29 +6,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import errno
-import gc
 import os
 import threading
 import time
 
-import psutil
-
 from conveyor import LLM, SamplingParams
 from conveyor.engine.args import add_engine_args, engine_config_from_args
-from tests.engine.insides import kv_pool_is_zero
+from tests.engine.insides import kv_pool_is_zero, kv_pool_resident_bytes, wait_for_kv_populate
 
 POOL_GIB = 0.25
-
-
-def rss() -> int:
-    return psutil.Process().memory_info().rss
-
-
-def settled_rss() -> int:
-    """RSS once the earlier tests' engines are collected: a pool freed by the collector while `make` runs would
-    take its pages off the growth being measured (a CI run on a busy machine read 225 of a 256 MB pool so)."""
-    gc.collect()
-    return rss()
 
 
 def make(tiny_llama, populate: bool) -> LLM:
@@ -37,16 +23,12 @@ def make(tiny_llama, populate: bool) -> LLM:
 
 
 def test_populated_pool_is_resident_and_lazy_one_is_not(tiny_llama):
-    before = settled_rss()
     lazy = make(tiny_llama, False)
-    lazy_growth = rss() - before
     pool = lazy.engine.info.num_kv_blocks * lazy.engine.info.bytes_per_block
     assert pool > 0.2 * 2**30
-    before = rss()
     eager = make(tiny_llama, True)
-    eager_growth = rss() - before
-    assert lazy_growth < 0.5 * pool, "a lazy pool should not be resident before it is used"
-    assert eager_growth > 0.9 * pool, "a populated pool should be resident after startup"
+    assert kv_pool_resident_bytes(lazy.engine) < 0.5 * pool, "a lazy pool should not be resident before it is used"
+    assert kv_pool_resident_bytes(eager.engine) > 0.9 * pool, "a populated pool should be resident after startup"
     # the contents were left zero (a masked slot must meet 0, never garbage) and outputs do not change
     assert kv_pool_is_zero(eager.engine)
     params = SamplingParams(max_tokens=8, temperature=0)
@@ -61,10 +43,9 @@ def test_without_madvise_populate_the_pool_is_written_with_zeros(tiny_llama, mon
     import conveyor.runner.model_runner as model_runner
 
     monkeypatch.setattr(model_runner, "_madvise_populate", lambda t: errno.EINVAL)
-    before = settled_rss()
     llm = make(tiny_llama, True)
     pool = llm.engine.info.num_kv_blocks * llm.engine.info.bytes_per_block
-    assert rss() - before > 0.9 * pool
+    assert kv_pool_resident_bytes(llm.engine) > 0.9 * pool
     out = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
 
@@ -73,10 +54,9 @@ def test_out_of_memory_leaves_the_pool_lazy(tiny_llama, monkeypatch, caplog):
     import conveyor.runner.model_runner as model_runner
 
     monkeypatch.setattr(model_runner, "_madvise_populate", lambda t: errno.ENOMEM)
-    before = rss()
     llm = make(tiny_llama, True)
     pool = llm.engine.info.num_kv_blocks * llm.engine.info.bytes_per_block
-    assert rss() - before < 0.5 * pool
+    assert kv_pool_resident_bytes(llm.engine) < 0.5 * pool
     assert "stays lazy" in caplog.text
 
 
@@ -102,7 +82,6 @@ def test_beyond_the_first_part_the_pool_is_faulted_in_in_the_background(tiny_lla
     import conveyor.runner.model_runner as model_runner
 
     monkeypatch.setattr(model_runner, "KV_POPULATE_SYNC_BYTES", 16 * 2**20)
-    before = settled_rss()
 
     def populating() -> list[threading.Thread]:
         return [t for t in threading.enumerate() if t.name == "conveyor-kv-populate"]
@@ -114,7 +93,7 @@ def test_beyond_the_first_part_the_pool_is_faulted_in_in_the_background(tiny_lla
             thread.join(timeout=60)
     pool = llm.engine.info.num_kv_blocks * llm.engine.info.bytes_per_block
     assert "the rest of the pool" in caplog.text
-    assert rss() - before > 0.9 * pool
+    assert kv_pool_resident_bytes(llm.engine) > 0.9 * pool
     assert kv_pool_is_zero(llm.engine)
     # a new pool (the knob lab's reset): a background fault-in of the old one is stopped and joined first
     monkeypatch.setattr(model_runner, "_madvise_populate", lambda t: time.sleep(0.05) or 0)  # a slow fault-in
@@ -127,11 +106,10 @@ def test_beyond_the_first_part_the_pool_is_faulted_in_in_the_background(tiny_lla
     assert len(out[0].outputs[0].token_ids) == 4
 
 
-def test_the_background_part_runs_at_the_idle_class_and_still_fills_the_pool(tiny_llama, monkeypatch):
+def test_the_background_part_runs_at_the_idle_class(tiny_llama, monkeypatch):
     """Past its first part the pool is faulted in on a thread of the idle scheduling class: at the normal class
     it took a core from the engine's own compute threads, whose steps wait for the slowest one (a 1B prefill
-    1.5x slower while it ran). Only that thread changes class, and on a machine with a free core it still
-    gets the whole pool resident."""
+    1.5x slower while it ran). Only that thread changes class; the pool still fills (the test above)."""
     from conveyor.runner import model_runner
 
     monkeypatch.setattr(model_runner, "KV_POPULATE_SYNC_BYTES", 16 << 20)
@@ -143,14 +121,7 @@ def test_the_background_part_runs_at_the_idle_class_and_still_fills_the_pool(tin
         classes.append(os.sched_getscheduler(0))
 
     monkeypatch.setattr(model_runner, "_lowest_priority", spy)
-    before = settled_rss()
     llm = make(tiny_llama, True)
-    runner = llm.engine.runner
-    pool = llm.engine.info.num_kv_blocks * llm.engine.info.bytes_per_block
-    assert runner._populate_job is not None, "a pool past the first part should be populated in the background"
-    runner._populate_job[0].join(timeout=120)
+    assert wait_for_kv_populate(llm.engine, timeout=120), "past its first part the pool fills in the background"
     assert classes == [os.SCHED_IDLE]
     assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the process and its other threads keep theirs
-    assert rss() - before > 0.9 * pool
-    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
-    assert len(out[0].outputs[0].token_ids) == 4

@@ -23,21 +23,12 @@ inline __m512 silu16(__m512 gv) {
   return _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
 }
 
-// 16 bf16 <-> fp32, rounding as `bf16(float)` does (nearest even, a NaN becomes 0x7FC0) in integer lanes:
-// vcvtneps2bf16 would flush denormal inputs to zero, so it is not used where the bits must match torch's.
+// bf16 rows through fp32 and back, rounding as `bf16(float)` does (vec_math.h)
 inline __m512 bf16x16_to_f32(const bf16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m256i f32x16_to_bf16(__m512 f) {
-  const __m512i u = _mm512_castps_si512(f);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(r);
+  return conveyor::bf16x16_widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 inline __m512 bf16x16_to_f32_rounded(__m512 f) {  // f rounded to bf16 and widened again
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(f32x16_to_bf16(f)), 16));
+  return conveyor::bf16x16_widen(conveyor::bf16x16_round(f));
 }
 #endif
 
@@ -122,7 +113,7 @@ void silu_mul_impl(const T* gu, T* out, int64_t rows, int64_t inter) {
         for (; i + 16 <= inter; i += 16) {
           const __m512 act = bf16x16_to_f32_rounded(silu16(bf16x16_to_f32(g + i)));
           const __m512 prod = _mm512_mul_ps(act, bf16x16_to_f32(u + i));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), f32x16_to_bf16(prod));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), conveyor::bf16x16_round(prod));
         }
         for (; i < inter; ++i) {
           const float a = g[i] / (1.f + exp_approx(-f32(g[i])));

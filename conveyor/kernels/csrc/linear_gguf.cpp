@@ -45,6 +45,7 @@
 #include <vector>
 
 #include "kernel_api.h"
+#include "vec_math.h"
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -600,12 +601,7 @@ inline void store16(DType dt, void* out, VF y) {
     _mm512_storeu_ps(out, y.v);
     return;
   }
-  const __m512i u = _mm512_castps_si512(y.v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(y.v, y.v, _CMP_UNORD_Q);
-  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
-  _mm256_storeu_si256(static_cast<__m256i*>(out), _mm512_cvtepi32_epi16(r));
+  _mm256_storeu_si256(static_cast<__m256i*>(out), conveyor::bf16x16_round(y.v));  // as torch rounds (vec_math.h)
 }
 #else  // AVX2: two halves, columns 0-7 and 8-15
 struct VI { __m256i a, b; };

@@ -33,6 +33,7 @@
 // VNNI path (correct, ~1/4 of what tiles could do); docs/quantization.md says so.
 
 #include "kernel_api.h"
+#include "vec_math.h"
 
 #include <algorithm>
 #include <cmath>
@@ -166,19 +167,9 @@ void fwht(DType dt, const void* x, int64_t k, int64_t b, float* out) {
                       [](__m512 a, __m512 c) { return _mm512_sub_ps(a, c); });
 }
 
-// fp32 -> bf16, round to nearest even, NaN -> 0x7FC0: c10::BFloat16's rounding (vcvtneps2bf16 would flush
-// denormals to zero, which torch does not).
-inline __m256i to_bf16_16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(r);
-}
-
 inline void store16(DType dt, void* out, int64_t at, __m512 y) {
   if (dt == DType::BF16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + at), to_bf16_16(y));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + at), conveyor::bf16x16_round(y));
   else
     _mm512_storeu_ps(static_cast<float*>(out) + at, y);
 }

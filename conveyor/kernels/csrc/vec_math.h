@@ -48,6 +48,21 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, fi);
 }
+
+// 16 fp32 -> 16 bf16 as torch's c10::BFloat16 rounds them (nearest even; a NaN becomes 0x7FC0), in integer lanes:
+// vcvtneps2bf16 would flush denormal inputs to zero, which torch does not. The kernels' one copy of it.
+inline __m256i bf16x16_round(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+// 16 bf16 (raw bits) -> fp32, exactly.
+inline __m512 bf16x16_widen(__m256i raw) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
 #endif
 
 }  // namespace conveyor
