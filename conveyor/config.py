@@ -46,7 +46,7 @@ def json_object(value: dict | str, what: str) -> dict:
 
 
 # The token budget of one step on a CPU when none is given: vLLM's own for its CPU server. Measured at the
-# Llama-3.2-1B shape on 2 Zen 5 cores (docs/performance.md, 2026-12-05 "third"): prompt tokens go through 8%
+# Llama-3.2-1B shape on 2 Zen 5 cores (docs/performance.md, 2026-12-05 "third"): prompt tokens go through 4-8%
 # faster in 2,048-token steps than in 8,192-token ones (a step's activations stay nearer the caches), and on
 # long prompts under load the first token comes sooner: a request's prompt is done in its own few steps
 # instead of waiting for a step that holds three other prompts. CUDA keeps 8192, where larger steps pay.

@@ -431,10 +431,10 @@ class ModelRunner:
         without; output 303 -> 329 tok/s. A server commits its pool at startup instead, as vLLM's
         preallocated cache does. But first touches of memory are slow on some machines (this VM: ~0.6 GB/s,
         an 8.5 GiB pool took 41 s), so only the blocks handed out first are faulted in before the server
-        answers; the rest follows in block order on one background thread, well ahead of the blocks requests
-        take. `MADV_POPULATE_WRITE` (Linux 5.14+) runs one call per tensor on a thread pool (ctypes drops the
-        GIL); where the kernel lacks it, the whole pool is written with zeros now; on any other error (ENOMEM)
-        it stays lazy, with a warning."""
+        answers; the rest follows in block order on one background thread, in the idle class's gaps between
+        steps (`_populate_rest`). `MADV_POPULATE_WRITE` (Linux 5.14+) runs one call per tensor on a thread pool
+        (ctypes drops the GIL); where the kernel lacks it, the whole pool is written with zeros now; on any
+        other error (ENOMEM) it stays lazy, with a warning."""
         if not self._pool_buffers:
             return
         t0 = time.perf_counter()
