@@ -270,30 +270,41 @@ inline int acc_lane_of(int d) {  // where dimension d sits in a permuted accumul
   return base + (k < 4 ? lane * 4 + k : 16 + lane * 4 + (k - 4));
 }
 
-template <int D, int NR, bool PACKED_ROWS>
-inline void tile16_dp(const uint32_t (*Qp)[D / 2], float (*acc)[D], float* m, float* l, const int* valid, int n,
-                      const bf16* kt, int64_t kstride, const bf16* vt, float scale) {
-  static_assert(D % 32 == 0, "the bf16 tile takes head dims in multiples of 32");
-  // output word 2j <- input word j (row d, key j); 2j+1 <- 16 + j (row d + 1, key j)
+// K of a tile as 16 (d, d + 1) pairs per vector: word 2j <- (row d, key j), 2j + 1 <- (row d + 1, key j).
+template <bool PACKED_ROWS>
+inline __m512i k_pairs(const uint16_t* kw, int p, int64_t kstride) {
   const __m512i pair_idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                                             23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  __m512i r;
+  if constexpr (PACKED_ROWS) {  // block_size 16: rows d and d + 1 are one 64-byte line
+    r = _mm512_loadu_si512(kw + 2 * p * 16);
+  } else {
+    r = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(kw + 2 * p * kstride))),
+                           _mm256_loadu_si256((const __m256i*)(kw + (2 * p + 1) * kstride)), 1);
+  }
+  return _mm512_permutexvar_epi16(pair_idx, r);
+}
+
+// A tile's K pairs and V interleave, made once for all the row blocks of an item (`tiles_dp`): with 8-row
+// blocks a 64-row prefill item made them 8 times over, a shuffle for every eight dot products. The same
+// vectors, so the same bits. vlo/vhi: for key pair jp and 32 dimensions s, at [jp * (D / 32) + s].
+template <int D>
+struct TilePrep {
+  __m512i k[D / 2];
+  __m512i vlo[8 * (D / 32)], vhi[8 * (D / 32)];
+  int n = 0;  // the keys it was made for: a key pair past them holds zeros in its second key, as tile16_dp's own
+};
+
+template <int D, int NR, bool PACKED_ROWS>
+inline void tile16_dp(const uint32_t (*Qp)[D / 2], float (*acc)[D], float* m, float (*lv)[16], const int* valid, int n,
+                      const bf16* kt, int64_t kstride, const bf16* vt, float scale, const TilePrep<D>* prep = nullptr) {
+  static_assert(D % 32 == 0, "the bf16 tile takes head dims in multiples of 32");
   __m512 sa[NR], sb[NR];
   for (int i = 0; i < NR; ++i) { sa[i] = _mm512_setzero_ps(); sb[i] = _mm512_setzero_ps(); }
   const uint16_t* kw = reinterpret_cast<const uint16_t*>(kt);
   for (int p = 0; p < D / 2; p += 2) {
-    __m512i r0, r1;
-    if constexpr (PACKED_ROWS) {  // block_size 16: rows d and d + 1 are one 64-byte line
-      r0 = _mm512_loadu_si512(kw + 2 * p * 16);
-      r1 = _mm512_loadu_si512(kw + (2 * p + 2) * 16);
-    } else {
-      r0 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(kw + 2 * p * kstride))),
-                              _mm256_loadu_si256((const __m256i*)(kw + (2 * p + 1) * kstride)), 1);
-      r1 = _mm512_inserti64x4(
-          _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(kw + (2 * p + 2) * kstride))),
-          _mm256_loadu_si256((const __m256i*)(kw + (2 * p + 3) * kstride)), 1);
-    }
-    const __m512bh k0 = (__m512bh)_mm512_permutexvar_epi16(pair_idx, r0);
-    const __m512bh k1 = (__m512bh)_mm512_permutexvar_epi16(pair_idx, r1);
+    const __m512bh k0 = (__m512bh)(prep ? prep->k[p] : k_pairs<PACKED_ROWS>(kw, p, kstride));
+    const __m512bh k1 = (__m512bh)(prep ? prep->k[p + 1] : k_pairs<PACKED_ROWS>(kw, p + 1, kstride));
     for (int i = 0; i < NR; ++i) {
       sa[i] = _mm512_dpbf16_ps(sa[i], (__m512bh)_mm512_set1_epi32(static_cast<int>(Qp[i][p])), k0);
       sb[i] = _mm512_dpbf16_ps(sb[i], (__m512bh)_mm512_set1_epi32(static_cast<int>(Qp[i][p + 1])), k1);
@@ -312,7 +323,8 @@ inline void tile16_dp(const uint32_t (*Qp)[D / 2], float (*acc)[D], float* m, fl
     const __m512 pr = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(s, _mm512_set1_ps(mx))));
     corr[i] = moves ? exp_approx(m[i] - mx) : 1.f;
     rescale |= moves;
-    l[i] = l[i] * corr[i] + _mm512_reduce_add_ps(pr);
+    const __m512 lo = _mm512_load_ps(lv[i]);  // l per key lane: summed across lanes once, at the item's end
+    _mm512_store_ps(lv[i], _mm512_add_ps(moves ? _mm512_mul_ps(lo, _mm512_set1_ps(corr[i])) : lo, pr));
     m[i] = mx;
     _mm256_store_si256(reinterpret_cast<__m256i*>(pw[i]), (__m256i)_mm512_cvtneps_pbh(pr));
   }
@@ -334,11 +346,18 @@ inline void tile16_dp(const uint32_t (*Qp)[D / 2], float (*acc)[D], float* m, fl
     for (int jp = 0; jp < pairs; ++jp) {
       const int j = 2 * jp;
       const bool second = j + 1 < n;  // an odd last key pairs with zeros, never with an unwritten slot
+      const bool prepared = prep && (second || j + 1 >= prep->n);  // (else its second key is not zero there)
       for (int sc = 0; sc < ch / 32; ++sc) {
-        const __m512i v0 = _mm512_loadu_si512(vw + j * D + c + sc * 32);
-        const __m512i v1 = second ? _mm512_loadu_si512(vw + (j + 1) * D + c + sc * 32) : _mm512_setzero_si512();
-        const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(v0, v1);
-        const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(v0, v1);
+        __m512bh lo, hi;
+        if (prepared) {
+          lo = (__m512bh)prep->vlo[jp * (D / 32) + c / 32 + sc];
+          hi = (__m512bh)prep->vhi[jp * (D / 32) + c / 32 + sc];
+        } else {
+          const __m512i v0 = _mm512_loadu_si512(vw + j * D + c + sc * 32);
+          const __m512i v1 = second ? _mm512_loadu_si512(vw + (j + 1) * D + c + sc * 32) : _mm512_setzero_si512();
+          lo = (__m512bh)_mm512_unpacklo_epi16(v0, v1);
+          hi = (__m512bh)_mm512_unpackhi_epi16(v0, v1);
+        }
         for (int i = 0; i < NR; ++i) {
           const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[i][jp]));
           a[i][2 * sc] = _mm512_dpbf16_ps(a[i][2 * sc], w, lo);
@@ -352,19 +371,37 @@ inline void tile16_dp(const uint32_t (*Qp)[D / 2], float (*acc)[D], float* m, fl
   }
 }
 
-// One tile for all rows of an item: register blocks of 8 rows, then the 1-7 left. Each block permutes the
-// tile's K and interleaves its V once, so fewer, larger blocks do less of that per score (a GQA group of 7
-// heads, Qwen2.5-0.5B's, is one block at a decode; 4-row blocks made it two).
+// One tile for all rows of an item: register blocks of 8 rows, then the 1-7 left. A lone block permutes the
+// tile's K and interleaves its V itself (a decode: a GQA group of 7 heads, Qwen2.5-0.5B's, is one block; 4-row
+// blocks made it two); more blocks (a prompt's tile of tokens) share one `TilePrep`.
 template <int D, bool PACKED_ROWS>
-inline void tiles_dp(const uint32_t (*Qp)[D / 2], float (*acc)[D], float* m, float* l, const int* valid, int rows,
+inline void tiles_dp(const uint32_t (*Qp)[D / 2], float (*acc)[D], float* m, float (*l)[16], const int* valid, int rows,
                      const bf16* kt, int64_t kstride, const bf16* vt, float scale) {
+  const int nl = std::max(valid[rows - 1], 0);  // rows are in position order: the last sees the most keys
+  alignas(64) TilePrep<D> tp;
+  const TilePrep<D>* prep = nullptr;
+  if (rows > 8) {  // more than one block: permute K and interleave V once for all of them
+    const uint16_t* kw = reinterpret_cast<const uint16_t*>(kt);
+    const uint16_t* vw = reinterpret_cast<const uint16_t*>(vt);
+    for (int p = 0; p < D / 2; ++p) tp.k[p] = k_pairs<PACKED_ROWS>(kw, p, kstride);
+    for (int jp = 0; jp < (nl + 1) / 2; ++jp) {
+      const int j = 2 * jp;
+      for (int s = 0; s < D / 32; ++s) {
+        const __m512i v0 = _mm512_loadu_si512(vw + j * D + s * 32);
+        const __m512i v1 = j + 1 < nl ? _mm512_loadu_si512(vw + (j + 1) * D + s * 32) : _mm512_setzero_si512();
+        tp.vlo[jp * (D / 32) + s] = _mm512_unpacklo_epi16(v0, v1);
+        tp.vhi[jp * (D / 32) + s] = _mm512_unpackhi_epi16(v0, v1);
+      }
+    }
+    tp.n = nl;
+    prep = &tp;
+  }
   int r = 0;
   for (; r + 8 <= rows; r += 8) {
     tile16_dp<D, 8, PACKED_ROWS>(Qp + r, acc + r, m + r, l + r, valid + r, std::max(valid[r + 7], 0), kt, kstride,
-                                 vt, scale);
+                                 vt, scale, prep);
   }
-  const int nl = std::max(valid[rows - 1], 0);
-#define CONVEYOR_TILE_DP(NR) tile16_dp<D, NR, PACKED_ROWS>(Qp + r, acc + r, m + r, l + r, valid + r, nl, kt, kstride, vt, scale)
+#define CONVEYOR_TILE_DP(NR) tile16_dp<D, NR, PACKED_ROWS>(Qp + r, acc + r, m + r, l + r, valid + r, nl, kt, kstride, vt, scale, prep)
   switch (rows - r) {
     case 7: CONVEYOR_TILE_DP(7); break;
     case 6: CONVEYOR_TILE_DP(6); break;
@@ -399,6 +436,8 @@ void attend_item(const T* __restrict q, T* __restrict out, const CT* __restrict 
   constexpr bool dp = std::is_same<CT, bf16>::value && std::is_same<T, bf16>::value && D % 32 == 0;
   const bool use_dp = dp && tile == 16;
   alignas(64) uint32_t Qp[dp ? MAX_ROWS : 1][D / 2];  // the bf16 query rows as (d, d + 1) pairs, unscaled
+  alignas(64) float lv[dp ? MAX_ROWS : 1][16];        // the softmax denominators, one partial sum per key lane
+  if (use_dp) std::memset(lv, 0, sizeof(float) * 16 * rows);
 #else
   const bool use_dp = false;
 #endif
@@ -452,9 +491,9 @@ void attend_item(const T* __restrict q, T* __restrict out, const CT* __restrict 
         const bf16* kb = reinterpret_cast<const bf16*>(ks);
         const bf16* vb = reinterpret_cast<const bf16*>(vs);
         if (block_size == 16) {
-          tiles_dp<D, true>(Qp, acc, m, l, valid, rows, kb, block_size, vb, scale);
+          tiles_dp<D, true>(Qp, acc, m, lv, valid, rows, kb, block_size, vb, scale);
         } else {
-          tiles_dp<D, false>(Qp, acc, m, l, valid, rows, kb, block_size, vb, scale);
+          tiles_dp<D, false>(Qp, acc, m, lv, valid, rows, kb, block_size, vb, scale);
         }
         continue;
       }
@@ -549,8 +588,9 @@ void attend_item(const T* __restrict q, T* __restrict out, const CT* __restrict 
     T* dst = out + t * q_stride_t + h * D;
     const float inv = 1.f / l[r];
 #if CONVEYOR_ATTN_DPBF16
-    if (use_dp) {  // the accumulator's lanes hold the dimensions permuted
-      for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[r][acc_lane_of(d)] * inv);
+    if (use_dp) {  // the accumulator's lanes hold the dimensions permuted; l is one sum per key lane
+      const float invl = 1.f / _mm512_reduce_add_ps(_mm512_load_ps(lv[r]));
+      for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[r][acc_lane_of(d)] * invl);
       continue;
     }
 #endif
