@@ -1,5 +1,5 @@
 """Long prompts' prefill in-process: tokens per second per step budget, the share of the bf16 GEMM ceiling it
-reaches, and where its time goes.
+reaches, and where its time goes; then decode steps alone, with their own share of that ceiling.
 
     python benchmarks/prefill_profile.py --model /work/models/llama-3.2-1b [--budgets 512,2048,8192]
 
@@ -13,6 +13,15 @@ Then the profile: the same prompts once more through the Python layer loop (the 
 is tested against, the same kernels) with a timer round each part. The loop allocates each op's output, so its
 parts include the page faults of fresh memory that the one-call body's single workspace takes once per step;
 its total is printed beside the body's.
+
+Last, decode steps (`--decode-batches`, e.g. 64x256: 64 requests of 256-token prompts, as the 64-client load;
+16x2560: the long-prompt load's 16 users): each batch decodes `--decode-tokens` tokens, and only the steps that
+carry the whole batch and no prompt token are counted (the engine's own step stats: duration, rows, context).
+Their FLOPs are counted the same way (every row's linear layers, LM head and attention over its context), over
+the same GEMM rate at 256 rows, and beside it the rate at 64 rows; the table says where a step's time goes
+(the engine's step phases: forward, LM head, sampling, the rest). A decode step of few rows is bound by reading
+the weights, not by arithmetic: its share of the compute ceiling is low by nature, and what it is bound by is
+printed too (the weights' bytes a step over its time).
 """
 
 from __future__ import annotations
@@ -60,6 +69,45 @@ def timed_parts(model, times: collections.Counter) -> None:
     model.forward = timed("model", model.forward)
 
 
+def decode_steps(llm, fm: FlopModel, rates: dict[int, float], n: int, context: int, out_tokens: int,
+                 rng: random.Random) -> dict:
+    """Decode `out_tokens` tokens for `n` requests of `context`-token prompts; the whole-batch decode steps'
+    time, FLOPs and phases (read from each step's `StepStats`, so prompts and the tail never count)."""
+    from conveyor import SamplingParams
+
+    engine = llm.engine
+    cfg = engine.model_config
+    recorded = []
+    step = engine.step
+
+    def recording():
+        out = step()
+        st = out.stats
+        if st is not None and st.num_prefill_tokens == 0 and st.num_seqs == n:
+            recorded.append(st)
+        return out
+
+    engine.step = recording  # (an instance attribute: `del` below puts the class's method back)
+    try:
+        params = SamplingParams(max_tokens=out_tokens, temperature=0, ignore_eos=True)
+        llm.generate(prompts(rng, n, context, cfg.vocab_size), params, use_tqdm=False)
+    finally:
+        del engine.step
+    seconds = sum(st.duration for st in recorded)
+    flops = sum(fm.flops(st.num_tokens, st.num_tokens, st.logical_tokens) for st in recorded)
+    phases: collections.Counter = collections.Counter()
+    for st in recorded:
+        phases.update(st.phases or {})
+    weight_bytes = (fm.linear_params + fm.lm_head_params) * engine.info.torch_dtype.itemsize  # (unquantized)
+    if not seconds:
+        raise SystemExit(f"no decode step carried all {n} requests: raise --decode-tokens")
+    return {"batch": n, "context": context, "steps": len(recorded), "ms_per_step": 1e3 * seconds / len(recorded),
+            "tok_s": n * len(recorded) / seconds, "gflop_s": flops / seconds / 1e9,
+            "ceiling_share": flops / seconds / rates[256], "rate64_share": flops / seconds / rates[64],
+            "weights_gb_s": weight_bytes * len(recorded) / seconds / 1e9,
+            "phases": {k: v / seconds for k, v in phases.items()}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -68,6 +116,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--quantization", default=None)
+    ap.add_argument("--decode-batches", default="64x256,16x2560",
+                    help="REQUESTSxPROMPT_TOKENS,...: decode steps measured alone (empty: none)")
+    ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     from conveyor import LLM, SamplingParams
@@ -133,9 +184,27 @@ def main() -> None:
         elif k == "attention":
             rate = f"{(flops - 2.0 * fm.linear_params * tokens - 2.0 * fm.lm_head_params * n) / v / 1e9:.0f}"
         print(f"| {k} | {v:.2f} | {v / total:.1%} | {rate} |")
+    model.fuse_body(fused)
+    decodes = []
+    for spec in filter(None, args.decode_batches.split(",")):
+        b, ctx = (int(x) for x in spec.lower().split("x"))
+        decodes.append(decode_steps(llm, fm, rates, b, ctx, args.decode_tokens, rng))
+    if decodes:
+        print(f"\nDecode steps alone ({args.decode_tokens} tokens a request; the steps that carry the whole batch "
+              f"and no prompt; GEMM rate {rates[256] / 1e9:.0f} GFLOP/s at 256 rows, {rates[64] / 1e9:.0f} at 64):\n\n"
+              "| batch x context | steps | ms a step | tok/s | GFLOP/s | share of the ceiling (256 rows) | "
+              "of the 64-row rate | weights read GB/s | forward / LM head / sampling / rest |\n"
+              "|---|---|---|---|---|---|---|---|---|")
+        for d in decodes:
+            ph = d["phases"]
+            rest = 1.0 - ph.get("forward", 0) - ph.get("lm_head", 0) - ph.get("sample", 0)
+            print(f"| {d['batch']} x {d['context']} | {d['steps']} | {d['ms_per_step']:.1f} | {d['tok_s']:.1f} | "
+                  f"{d['gflop_s']:.0f} | {d['ceiling_share']:.0%} | {d['rate64_share']:.0%} | "
+                  f"{d['weights_gb_s']:.1f} | "
+                  f"{ph.get('forward', 0):.0%} / {ph.get('lm_head', 0):.0%} / {ph.get('sample', 0):.0%} / {rest:.0%} |")
     results = {"model": args.model, "prompt_len": length, "prompts": n, "gemm_rate_256": rates[256],
-               "attention_flop_share": 1 - linear_share, "budgets": rows,
-               "profile": {"budget": budget, "loop_seconds": total, "parts": parts}}
+               "gemm_rate_64": rates[64], "attention_flop_share": 1 - linear_share, "budgets": rows,
+               "profile": {"budget": budget, "loop_seconds": total, "parts": parts}, "decode_steps": decodes}
     if args.out:
         print(f"\nwrote {study.write(args.out, results)}")
 
