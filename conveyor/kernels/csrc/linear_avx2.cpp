@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -38,7 +39,9 @@ namespace CONVEYOR_VARIANT {
 namespace {
 
 constexpr int kGroup = 6;  // rows per register block of the widened path: 6 x 2 accumulators + 2 weights + 1 broadcast
-constexpr int64_t kWidenFrom = 2 * kGroup;  // from this many rows, widen each 16-column block once for all rows
+// from this many rows, widen each 16-column block once for all rows (Zen 3, 2,048 x 8,192: 95 against 81 GFLOP/s
+// the direct way at 6 rows, 120 against 85 at 11; at 3-4 rows the direct way is ahead)
+constexpr int64_t kWidenFrom = kGroup;
 
 // rows [0, R) of one group of activations (fp32, laid out [K][kGroup]: a k's rows side by side, so that every
 // broadcast is a constant offset from one pointer) times NB 16-column blocks from block b0 of the packed weight,
@@ -74,12 +77,14 @@ inline void block(const float* xg, int64_t kp, const uint32_t* w, int64_t b0, ui
 }
 
 // The widened path, for many rows: rows [0, R) of one group times one 16-column block already widened to fp32
-// ([K][16], in L2), the whole K: the same chain of FMAs per output as `block`, so the same bits.
+// ([K][16], in L2), over k in [k0, k0 + kc): the same chain of FMAs per output as `block`, so the same bits. The
+// chain goes on from the fp32 partial sums in `c` ([R][16]; zeros for the first span) and leaves them there (no
+// rounding between spans), so K can be cut into spans whose widened weights stay in L2.
 template <int R>
-inline void block_f32(const float* xg, int64_t k, const float* wf, uint16_t* out, int64_t n) {
+inline void block_f32(const float* xg, int64_t kc, const float* wf, float* c) {
   __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < k; ++i, xg += kGroup, wf += 16) {
+  for (int r = 0; r < R; ++r) acc[r][0] = _mm256_load_ps(c + r * 16), acc[r][1] = _mm256_load_ps(c + r * 16 + 8);
+  for (int64_t i = 0; i < kc; ++i, xg += kGroup, wf += 16) {
     const __m256 w0 = _mm256_loadu_ps(wf), w1 = _mm256_loadu_ps(wf + 8);
     for (int r = 0; r < R; ++r) {
       const __m256 a = _mm256_broadcast_ss(xg + r);
@@ -87,21 +92,21 @@ inline void block_f32(const float* xg, int64_t k, const float* wf, uint16_t* out
       acc[r][1] = _mm256_fmadd_ps(a, w1, acc[r][1]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int h = 0; h < 2; ++h)
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + r * n + h * 8), to_bf16(acc[r][h]));
+  for (int r = 0; r < R; ++r) _mm256_store_ps(c + r * 16, acc[r][0]), _mm256_store_ps(c + r * 16 + 8, acc[r][1]);
 }
 
 // block_f32<6> written out, the same FMAs in the same order (so the same bits). Why: the 6 x 16 block takes 15 of
 // the 16 ymm registers (12 accumulators, 2 weight vectors, 1 broadcast), and GCC did not keep the array form in
 // them: with the rounding inline it hoisted to_bf16's constants into registers and spilled two accumulators
 // through the stack on every k; with the rounding out of line it kept all twelve in memory. Either way each k
-// waited on a store-to-load chain: 85 GFLOP/s on a Zen 3 whose FMAs peak at ~190 (two cores); named registers
-// and the rounding out of line (store_rows_bf16) run at the FMA rate.
-inline void block6_f32(const float* xg, int64_t k, const float* wf, uint16_t* out, int64_t n) {
-  __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0;
-  __m256 a3 = a0, b3 = a0, a4 = a0, b4 = a0, a5 = a0, b5 = a0;
-  for (int64_t i = 0; i < k; ++i, xg += kGroup, wf += 16) {
+// waited on a store-to-load chain: 85 GFLOP/s on a Zen 3 whose FMAs peak at ~190 (two cores); in named
+// registers, rounded elsewhere (store_rows_bf16), it runs at the FMA rate.
+inline void block6_f32(const float* xg, int64_t kc, const float* wf, float* c) {
+  __m256 a0 = _mm256_load_ps(c), b0 = _mm256_load_ps(c + 8), a1 = _mm256_load_ps(c + 16), b1 = _mm256_load_ps(c + 24);
+  __m256 a2 = _mm256_load_ps(c + 32), b2 = _mm256_load_ps(c + 40), a3 = _mm256_load_ps(c + 48);
+  __m256 b3 = _mm256_load_ps(c + 56), a4 = _mm256_load_ps(c + 64), b4 = _mm256_load_ps(c + 72);
+  __m256 a5 = _mm256_load_ps(c + 80), b5 = _mm256_load_ps(c + 88);
+  for (int64_t i = 0; i < kc; ++i, xg += kGroup, wf += 16) {
     const __m256 w0 = _mm256_loadu_ps(wf), w1 = _mm256_loadu_ps(wf + 8);
     __m256 x = _mm256_broadcast_ss(xg);
     a0 = _mm256_fmadd_ps(x, w0, a0), b0 = _mm256_fmadd_ps(x, w1, b0);
@@ -116,11 +121,10 @@ inline void block6_f32(const float* xg, int64_t k, const float* wf, uint16_t* ou
     x = _mm256_broadcast_ss(xg + 5);
     a5 = _mm256_fmadd_ps(x, w0, a5), b5 = _mm256_fmadd_ps(x, w1, b5);
   }
-  alignas(32) float c[6][16];
-  _mm256_store_ps(c[0], a0), _mm256_store_ps(c[0] + 8, b0), _mm256_store_ps(c[1], a1), _mm256_store_ps(c[1] + 8, b1);
-  _mm256_store_ps(c[2], a2), _mm256_store_ps(c[2] + 8, b2), _mm256_store_ps(c[3], a3), _mm256_store_ps(c[3] + 8, b3);
-  _mm256_store_ps(c[4], a4), _mm256_store_ps(c[4] + 8, b4), _mm256_store_ps(c[5], a5), _mm256_store_ps(c[5] + 8, b5);
-  store_rows_bf16(&c[0][0], 6, out, n);
+  _mm256_store_ps(c, a0), _mm256_store_ps(c + 8, b0), _mm256_store_ps(c + 16, a1), _mm256_store_ps(c + 24, b1);
+  _mm256_store_ps(c + 32, a2), _mm256_store_ps(c + 40, b2), _mm256_store_ps(c + 48, a3);
+  _mm256_store_ps(c + 56, b3), _mm256_store_ps(c + 64, a4), _mm256_store_ps(c + 72, b4);
+  _mm256_store_ps(c + 80, a5), _mm256_store_ps(c + 88, b5);
 }
 
 // one 16-column block of the packed weight (K/2 pairs x 16 words) as fp32 [K][16]
@@ -134,23 +138,19 @@ inline void widen(const uint32_t* wb, int64_t kp, float* wf) {
     }
 }
 
-void rows_f32(int rr, const float* xg, int64_t k, const float* wf, uint16_t* out, int64_t n) {
+void rows_f32(int rr, const float* xg, int64_t kc, const float* wf, float* c) {
   switch (rr) {
-    case 1: return block_f32<1>(xg, k, wf, out, n);
-    case 2: return block_f32<2>(xg, k, wf, out, n);
-    case 3: return block_f32<3>(xg, k, wf, out, n);
-    case 4: return block_f32<4>(xg, k, wf, out, n);
-    case 5: return block_f32<5>(xg, k, wf, out, n);
-    default: return block6_f32(xg, k, wf, out, n);
+    case 1: return block_f32<1>(xg, kc, wf, c);
+    case 2: return block_f32<2>(xg, kc, wf, c);
+    case 3: return block_f32<3>(xg, kc, wf, c);
+    case 4: return block_f32<4>(xg, kc, wf, c);
+    case 5: return block_f32<5>(xg, kc, wf, c);
+    default: return block6_f32(xg, kc, wf, c);
   }
 }
 
-// rows [0, rr) (rr <= kGroup, one group) times column blocks [b, b + nb), in the widest register blocks that fit.
+// rows [0, rr) (rr < kWidenFrom) times column blocks [b, b + nb), in the widest register blocks that fit.
 void group(int rr, const float* xg, int64_t kp, const uint32_t* w, int64_t b, int64_t nb, uint16_t* out, int64_t n) {
-  if (rr > 5) {  // 6 rows do not fit the registers with the weights' widening: 5, then 1
-    group(5, xg, kp, w, b, nb, out, n);
-    return group(rr - 5, xg + 5, kp, w, b, nb, out + 5 * n, n);
-  }
   int64_t j = b;
   // a few rows (a decode step of one to three streams): several column blocks at once, to hide the FMA latency
   if (rr == 1) for (; j + 4 <= b + nb; j += 4) block<1, 4>(xg, kp, w, j, out, n);
@@ -189,19 +189,31 @@ void linear_avx2(const uint16_t* xd, const uint16_t* wd, uint16_t* od, int64_t m
     });
     return;
   }
-  // many rows: one equal share of the 16-column blocks per thread of torch's pool (`--threads`), each block
-  // widened once into the thread's buffer, then every row group runs on it from L2
+  // many rows: one equal share of the 16-column blocks per thread of torch's pool (`--threads`); each block is
+  // widened into the thread's buffer a span of K at a time (at most kSpan k: 128 KiB of fp32, which stays in L2
+  // while every row group runs on it; a whole K of 8,192 did not, and ran at half the rate at 64 rows), the row
+  // groups' partial sums kept in fp32 between spans and rounded once at the end
+  constexpr int64_t kSpan = 2048;
   const int64_t nt = get_num_threads();
   parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t lo = nblk * t / nt, hi = nblk * (t + 1) / nt;
-      std::vector<float> wf(static_cast<size_t>(k * 16));
+      std::vector<float> wf(static_cast<size_t>(std::min(k, kSpan) * 16));
+      auto* cs = static_cast<float*>(std::aligned_alloc(32, groups * kGroup * 16 * sizeof(float)));
       for (int64_t b = lo; b < hi; ++b) {
-        widen(w + b * kp * 16, kp, wf.data());
+        std::fill_n(cs, groups * kGroup * 16, 0.0f);
+        for (int64_t k0 = 0; k0 < k; k0 += kSpan) {
+          const int64_t kc = std::min(kSpan, k - k0);
+          widen(w + (b * kp + k0 / 2) * 16, kc / 2, wf.data());
+          for (int64_t r = 0; r < m; r += kGroup)
+            rows_f32(static_cast<int>(std::min<int64_t>(kGroup, m - r)), xp.data() + (r / kGroup) * k * kGroup +
+                     k0 * kGroup, kc, wf.data(), cs + (r / kGroup) * kGroup * 16);
+        }
         for (int64_t r = 0; r < m; r += kGroup)
-          rows_f32(static_cast<int>(std::min<int64_t>(kGroup, m - r)), xp.data() + (r / kGroup) * k * kGroup, k,
-                   wf.data(), od + r * n + b * 16, n);
+          store_rows_bf16(cs + (r / kGroup) * kGroup * 16, static_cast<int>(std::min<int64_t>(kGroup, m - r)),
+                          od + r * n + b * 16, n);
       }
+      std::free(cs);
     }
   });
 }
