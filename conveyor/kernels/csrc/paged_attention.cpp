@@ -190,21 +190,29 @@ inline float hmax8(__m256 v) {
 template <typename T, int D, int NR>
 inline void tile16_avx2(const float (*Q)[D], float (*acc)[D], float* m, float* l, const int* valid, int n,
                         const T* kt, int64_t kstride, const T* vt, const half* ksc, const half* vsc) {
-  // two partial sums per key (even and odd d), added at the end, as the AVX-512 tile does
-  __m256 s[NR][2], t[NR][2];
-  for (int i = 0; i < NR; ++i) s[i][0] = s[i][1] = t[i][0] = t[i][1] = _mm256_setzero_ps();
-  for (int d = 0; d < D; d += 2) {
-    const __m256 k0 = load8(kt + d * kstride), k1 = load8(kt + d * kstride + 8);
-    const __m256 k2 = load8(kt + (d + 1) * kstride), k3 = load8(kt + (d + 1) * kstride + 8);
-    for (int i = 0; i < NR; ++i) {
-      const __m256 qa = _mm256_set1_ps(Q[i][d]), qb = _mm256_set1_ps(Q[i][d + 1]);
-      s[i][0] = _mm256_fmadd_ps(qa, k0, s[i][0]);
-      s[i][1] = _mm256_fmadd_ps(qa, k1, s[i][1]);
-      t[i][0] = _mm256_fmadd_ps(qb, k2, t[i][0]);
-      t[i][1] = _mm256_fmadd_ps(qb, k3, t[i][1]);
+  // two partial sums per key (even and odd d), added at the end, as the AVX-512 tile does; two rows at a time
+  // (8 accumulators and 4 key vectors: all NR rows at once took 16 accumulators, more than the 16 registers
+  // hold with the keys, and spilled on every d)
+  __m256 s[NR][2];
+  for (int i0 = 0; i0 < NR; i0 += 2) {
+    constexpr int kPair = 2;
+    const int nr = std::min(kPair, NR - i0);
+    __m256 a[kPair][2], b[kPair][2];
+    for (int i = 0; i < kPair; ++i) a[i][0] = a[i][1] = b[i][0] = b[i][1] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d += 2) {
+      const __m256 k0 = load8(kt + d * kstride), k1 = load8(kt + d * kstride + 8);
+      const __m256 k2 = load8(kt + (d + 1) * kstride), k3 = load8(kt + (d + 1) * kstride + 8);
+      for (int i = 0; i < nr; ++i) {
+        const __m256 qa = _mm256_set1_ps(Q[i0 + i][d]), qb = _mm256_set1_ps(Q[i0 + i][d + 1]);
+        a[i][0] = _mm256_fmadd_ps(qa, k0, a[i][0]);
+        a[i][1] = _mm256_fmadd_ps(qa, k1, a[i][1]);
+        b[i][0] = _mm256_fmadd_ps(qb, k2, b[i][0]);
+        b[i][1] = _mm256_fmadd_ps(qb, k3, b[i][1]);
+      }
     }
+    for (int i = 0; i < nr; ++i)
+      s[i0 + i][0] = _mm256_add_ps(a[i][0], b[i][0]), s[i0 + i][1] = _mm256_add_ps(a[i][1], b[i][1]);
   }
-  for (int i = 0; i < NR; ++i) s[i][0] = _mm256_add_ps(s[i][0], t[i][0]), s[i][1] = _mm256_add_ps(s[i][1], t[i][1]);
   alignas(32) float pr[NR][16];
   float corr[NR];
   constexpr bool quantized = std::is_same<T, int8_t>::value;
@@ -248,6 +256,23 @@ inline void tile16_avx2(const float (*Q)[D], float (*acc)[D], float* m, float* l
     }
     for (int i = 0; i < NR; ++i)
       for (int b = 0; b < CH / 8; ++b) _mm256_store_ps(acc[i] + c + b * 8, a[i][b]);
+  }
+}
+
+// All of an item's rows against one 16-key tile, four rows at a time (the keys and values as stored, or widened
+// to fp32 once for all the row blocks: the same values, so the same bits).
+template <typename T, int D>
+inline void tiles_avx2(const float (*Q)[D], float (*acc)[D], float* m, float* l, const int* valid, int rows,
+                       const T* kt, int64_t kstride, const T* vt, const half* ksc, const half* vsc) {
+  int r = 0;
+  for (; r + 4 <= rows; r += 4)
+    tile16_avx2<T, D, 4>(Q + r, acc + r, m + r, l + r, valid + r, std::max(valid[r + 3], 0), kt, kstride, vt, ksc, vsc);
+  const int nl = std::max(valid[rows - 1], 0);
+  switch (rows - r) {
+    case 3: tile16_avx2<T, D, 3>(Q + r, acc + r, m + r, l + r, valid + r, nl, kt, kstride, vt, ksc, vsc); break;
+    case 2: tile16_avx2<T, D, 2>(Q + r, acc + r, m + r, l + r, valid + r, nl, kt, kstride, vt, ksc, vsc); break;
+    case 1: tile16_avx2<T, D, 1>(Q + r, acc + r, m + r, l + r, valid + r, nl, kt, kstride, vt, ksc, vsc); break;
+    default: break;
   }
 }
 #else
@@ -522,18 +547,19 @@ void attend_item(const T* __restrict q, T* __restrict out, const CT* __restrict 
     if (tile == 16 && D % 16 == 0) {
       int valid[MAX_ROWS];
       for (int r = 0; r < rows; ++r) valid[r] = static_cast<int>(std::min<int64_t>(n, pos[r] + 1 - k0));
-      int r = 0;
-      for (; r + 4 <= rows; r += 4) {
-        tile16_avx2<CT, D, 4>(Q + r, acc + r, m + r, l + r, valid + r, std::max(valid[r + 3], 0), ks, block_size, vs,
-                              ksc, vsc);
+      if constexpr (std::is_same<CT, bf16>::value) {
+        if (rows > 4) {  // a prompt's rows: widen the tile's keys and values to fp32 once for all row blocks
+          for (int d = 0; d < D; ++d) {
+            _mm256_store_ps(Kt[d], load8(ks + d * block_size));
+            _mm256_store_ps(Kt[d] + 8, load8(ks + d * block_size + 8));
+          }
+          for (int j = 0; j < n; ++j)
+            for (int d = 0; d < D; d += 8) _mm256_store_ps(V[j] + d, load8(vs + j * D + d));
+          tiles_avx2<float, D>(Q, acc, m, l, valid, rows, &Kt[0][0], KV_TILE, &V[0][0], nullptr, nullptr);
+          continue;
+        }
       }
-      const int nl = std::max(valid[rows - 1], 0);
-      switch (rows - r) {
-        case 3: tile16_avx2<CT, D, 3>(Q + r, acc + r, m + r, l + r, valid + r, nl, ks, block_size, vs, ksc, vsc); break;
-        case 2: tile16_avx2<CT, D, 2>(Q + r, acc + r, m + r, l + r, valid + r, nl, ks, block_size, vs, ksc, vsc); break;
-        case 1: tile16_avx2<CT, D, 1>(Q + r, acc + r, m + r, l + r, valid + r, nl, ks, block_size, vs, ksc, vsc); break;
-        default: break;
-      }
+      tiles_avx2<CT, D>(Q, acc, m, l, valid, rows, ks, block_size, vs, ksc, vsc);
       continue;
     }
 #endif
