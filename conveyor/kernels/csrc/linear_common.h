@@ -19,7 +19,7 @@ inline __m128i to_bf16(__m256 v) {
 // line on purpose: inlined into a register-blocked loop, the compiler hoists to_bf16's three constants out of the
 // loop into registers, and a 6 x 16 block (12 accumulators, 2 weight vectors, 1 broadcast: 15 of the 16 ymm
 // registers) then spills two accumulators through the stack on every k (a store-to-load chain each iteration):
-// 85 GFLOP/s where the same FMAs unspilled run ~150 on a Zen 3 (`linear_avx2`, 256 rows).
+// 85 GFLOP/s where the same FMAs unspilled run 166-192 on a Zen 3 (`linear_avx2`, 256 rows; see block6_f32).
 __attribute__((noinline)) inline void store_rows_bf16(const float* c, int rows, uint16_t* out, int64_t n) {
   for (int r = 0; r < rows; ++r)
     for (int h = 0; h < 2; ++h)
