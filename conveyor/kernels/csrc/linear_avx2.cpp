@@ -38,21 +38,36 @@ namespace CONVEYOR_VARIANT {
 
 namespace {
 
-constexpr int kGroup = 6;  // rows per register block of the widened path: 6 x 2 accumulators + 2 weights + 1 broadcast
-// from this many rows, widen each 16-column block once for all rows (Zen 3, 2,048 x 8,192: 95 against 81 GFLOP/s
-// the direct way at 6 rows, 120 against 85 at 11; at 3-4 rows the direct way is ahead)
-constexpr int64_t kWidenFrom = kGroup;
+constexpr int kGroup = 6;  // rows per register block: 6 x 2 accumulators + 2 weights + 1 broadcast
+// from this many rows, widen each 16-column block once for all rows; below, the direct path (Zen 3, the 1B shape's
+// projections, GFLOP/s direct against widened: 100-135 against 54-112 at 6 rows, 107-126 against 51-107 at 8,
+// level at 12 (~110-125), 113-132 against 136-153 at 16)
+constexpr int64_t kWidenFrom = 12;
+
+// `p`, as a value the compiler cannot see through: loads from it are not merged with earlier loads from `p`
+template <typename T>
+inline const T* opaque(const T* p) {
+  asm volatile("" : "+r"(p));  // volatile: two of these on the same p are not merged either
+  return p;
+}
+
+// 0xFFFF0000 in every lane, in memory: the direct path's mask for the odd k's weights
+alignas(32) constexpr uint32_t kHiMask[8] = {0xFFFF0000u, 0xFFFF0000u, 0xFFFF0000u, 0xFFFF0000u,
+                                             0xFFFF0000u, 0xFFFF0000u, 0xFFFF0000u, 0xFFFF0000u};
 
 // rows [0, R) of one group of activations (fp32, laid out [K][kGroup]: a k's rows side by side, so that every
 // broadcast is a constant offset from one pointer) times NB 16-column blocks from block b0 of the packed weight,
-// the whole K. R * NB * 2 accumulators: (R, NB) in {(1, 4), (2, 3), (3, 2), (4, 1), (5, 1)}, at most 10 registers.
-// The direct path, for a few rows: each weight is widened as it is used, and read once per row group.
+// the whole K. The direct path, for a few rows: each weight is widened as it is used, and read once per row group.
+// R * NB * 2 accumulators, (R, NB) in {(1, 4), (2, 3), (3, 2), (4, 1), (5, 1), (6, 1)}: at most 12, which with the two
+// widened weight vectors and the broadcast is 15 of the 16 ymm registers. The sums go to `c` ([NB][R][16] fp32,
+// 32-byte aligned) and are rounded by store_rows_bf16, out of line: rounded here, inlined into the loop over column
+// blocks, to_bf16's constants were hoisted into registers and the (2, 3) and (3, 2) blocks spilled accumulators
+// through the stack on every k (83-93 GFLOP/s at 2-5 rows on a Zen 3, where the widened path reaches ~180).
 template <int R, int NB>
-inline void block(const float* xg, int64_t kp, const uint32_t* w, int64_t b0, uint16_t* out, int64_t n) {
+__attribute__((noinline)) void block(const float* xg, int64_t kp, const uint32_t* w, int64_t b0, float* c) {
   __m256 acc[R][NB][2];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NB; ++j) acc[r][j][0] = acc[r][j][1] = _mm256_setzero_ps();
-  const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   const uint32_t* base = w + b0 * kp * 16;
   for (int64_t p = 0; p < kp; ++p, xg += 2 * kGroup) {
     for (int j = 0; j < NB; ++j) {
@@ -60,20 +75,26 @@ inline void block(const float* xg, int64_t kp, const uint32_t* w, int64_t b0, ui
       // a decode step streams the weights from memory: ask for them 2 KiB (32 pairs) ahead of use
       if (R <= 2) _mm_prefetch(reinterpret_cast<const char*>(wp + 32 * 16), _MM_HINT_T0);
       for (int h = 0; h < 2; ++h) {
+        // From two rows, the broadcasts and the mask are read from memory again for every 8 columns (loads from
+        // L1): left to itself, GCC keeps them in registers across the column blocks (2R broadcasts and the
+        // mask), and with 12 accumulators the block spilled three of them through the stack on every k. (One
+        // row's block has room for them; made opaque, it stored its accumulators on every k.)
+        const float* xq = R >= 2 ? opaque(xg) : xg;
+        const float* mask = reinterpret_cast<const float*>(kHiMask);
+        if (R >= 2) mask = opaque(mask);
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + h * 8));
+        const __m256 odd = _mm256_and_ps(_mm256_castsi256_ps(v), _mm256_load_ps(mask));
         const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-        const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(v, hi_mask));
         for (int r = 0; r < R; ++r) {
-          acc[r][j][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(xg + r), even, acc[r][j][h]);
-          acc[r][j][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(xg + kGroup + r), odd, acc[r][j][h]);
+          acc[r][j][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(xq + r), even, acc[r][j][h]);
+          acc[r][j][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(xq + kGroup + r), odd, acc[r][j][h]);
         }
       }
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NB; ++j)
-      for (int h = 0; h < 2; ++h)
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + r * n + (b0 + j) * 16 + h * 8), to_bf16(acc[r][j][h]));
+  for (int j = 0; j < NB; ++j)
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h) _mm256_store_ps(c + (j * R + r) * 16 + h * 8, acc[r][j][h]);
 }
 
 // The widened path, for many rows: rows [0, R) of one group times one 16-column block already widened to fp32
@@ -151,18 +172,25 @@ void rows_f32(int rr, const float* xg, int64_t kc, const float* wf, float* c) {
 
 // rows [0, rr) (rr < kWidenFrom) times column blocks [b, b + nb), in the widest register blocks that fit.
 void group(int rr, const float* xg, int64_t kp, const uint32_t* w, int64_t b, int64_t nb, uint16_t* out, int64_t n) {
+  alignas(32) float c[12 * 16];
+  // NB column blocks of rr rows from block j: computed, then rounded to bf16 into `out`
+  auto run = [&](auto kernel, int blocks, int64_t j) {
+    kernel(xg, kp, w, j, c);
+    for (int i = 0; i < blocks; ++i) store_rows_bf16(c + i * rr * 16, rr, out + (j + i) * 16, n);
+  };
   int64_t j = b;
   // a few rows (a decode step of one to three streams): several column blocks at once, to hide the FMA latency
-  if (rr == 1) for (; j + 4 <= b + nb; j += 4) block<1, 4>(xg, kp, w, j, out, n);
-  if (rr == 2) for (; j + 3 <= b + nb; j += 3) block<2, 3>(xg, kp, w, j, out, n);
-  if (rr == 3) for (; j + 2 <= b + nb; j += 2) block<3, 2>(xg, kp, w, j, out, n);
+  if (rr == 1) for (; j + 4 <= b + nb; j += 4) run(block<1, 4>, 4, j);
+  if (rr == 2) for (; j + 3 <= b + nb; j += 3) run(block<2, 3>, 3, j);
+  if (rr == 3) for (; j + 2 <= b + nb; j += 2) run(block<3, 2>, 2, j);
   for (; j < b + nb; ++j) {
     switch (rr) {
-      case 1: block<1, 1>(xg, kp, w, j, out, n); break;
-      case 2: block<2, 1>(xg, kp, w, j, out, n); break;
-      case 3: block<3, 1>(xg, kp, w, j, out, n); break;
-      case 4: block<4, 1>(xg, kp, w, j, out, n); break;
-      default: block<5, 1>(xg, kp, w, j, out, n); break;
+      case 1: run(block<1, 1>, 1, j); break;
+      case 2: run(block<2, 1>, 1, j); break;
+      case 3: run(block<3, 1>, 1, j); break;
+      case 4: run(block<4, 1>, 1, j); break;
+      case 5: run(block<5, 1>, 1, j); break;
+      default: run(block<6, 1>, 1, j); break;
     }
   }
 }
