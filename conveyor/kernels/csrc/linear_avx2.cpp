@@ -78,7 +78,9 @@ __attribute__((noinline)) void block(const float* xg, int64_t kp, const uint32_t
         // From two rows, the broadcasts and the mask are read from memory again for every 8 columns (loads from
         // L1): left to itself, GCC keeps them in registers across the column blocks (2R broadcasts and the
         // mask), and with 12 accumulators the block spilled three of them through the stack on every k. (One
-        // row's block has room for them; made opaque, it stored its accumulators on every k.)
+        // row's block has room for its two broadcasts and the mask and reads them once. Its (1, 4) block still
+        // keeps a stack copy of its accumulators, stored on every k, never reloaded in the loop; one stream's
+        // step is bound by reading the weights from memory, and the probe read it level, so it is left.)
         const float* xq = R >= 2 ? opaque(xg) : xg;
         const float* mask = reinterpret_cast<const float*>(kHiMask);
         if (R >= 2) mask = opaque(mask);
