@@ -60,9 +60,10 @@ alignas(32) constexpr uint32_t kHiMask[8] = {0xFFFF0000u, 0xFFFF0000u, 0xFFFF000
 // the whole K. The direct path, for a few rows: each weight is widened as it is used, and read once per row group.
 // R * NB * 2 accumulators, (R, NB) in {(1, 4), (2, 3), (3, 2), (4, 1), (5, 1), (6, 1)}: at most 12, which with the two
 // widened weight vectors and the broadcast is 15 of the 16 ymm registers. The sums go to `c` ([NB][R][16] fp32,
-// 32-byte aligned) and are rounded by store_rows_bf16, out of line: rounded here, inlined into the loop over column
-// blocks, to_bf16's constants were hoisted into registers and the (2, 3) and (3, 2) blocks spilled accumulators
-// through the stack on every k (83-93 GFLOP/s at 2-5 rows on a Zen 3, where the widened path reaches ~180).
+// 32-byte aligned) and are rounded by store_rows_bf16, out of line, so that no rounding constant competes for those
+// registers (the widened path's reason, see there). The (2, 3) and (3, 2) blocks still spilled three accumulators
+// through the stack on every k until the broadcasts and the mask were re-read (below): 83-93 GFLOP/s at 2-5 rows on
+// a Zen 3 before, where the widened path reaches ~180.
 template <int R, int NB>
 __attribute__((noinline)) void block(const float* xg, int64_t kp, const uint32_t* w, int64_t b0, float* c) {
   __m256 acc[R][NB][2];
