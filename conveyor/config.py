@@ -81,6 +81,10 @@ class EngineConfig:
     # None: CPU_BATCHED_TOKENS on a CPU, 8192 on CUDA (resolved in __post_init__; see default_batched_tokens)
     max_num_batched_tokens: int | None = None
     scheduler: str = "iteration"
+    # a step that ends a prompt (its first token) takes no partial chunk of another prompt: that chunk would make
+    # the first token wait for work that samples nothing this step (Scheduler.chunk_allowed); False: fill the
+    # budget, as vLLM does
+    isolate_prompt_ends: bool = True
     # policy options: each policy's own are listed in conveyor/scheduler/policies.py (POLICIES)
     batch_size: int = 8  # static / dynamic: requests per batch
     static_flush_ms: float | None = None  # static: flush a partial batch after this wait (None: at end of input)

@@ -109,6 +109,10 @@ def engine_flags() -> list[EngineFlag]:
                    "get whole steps", type=float),
         EngineFlag("enable_prefix_caching", "scheduler", "turn automatic prefix caching off",
                    flags=("--no-enable-prefix-caching",), action="store_false"),
+        EngineFlag("isolate_prompt_ends", "scheduler", "fill every step's token budget, as vLLM does (default: a "
+                   "step that ends a prompt, and so gives it its first token, takes no partial chunk of another "
+                   "prompt, which would make that first token wait for work that samples nothing)",
+                   flags=("--no-isolate-prompt-ends",), action="store_false"),
         EngineFlag("admission_reserve", "scheduler", "admit a request only if its prompt and its whole remaining "
                    "output fit in KV", action="store_true"),
         EngineFlag("block_size", "memory", "tokens per KV block", type=int),

@@ -166,6 +166,14 @@ def test_greedy_probes_unchanged_in_a_crowd(model_dir, workload, reference, top1
     check(reference, False, got, top1)
 
 
+def test_greedy_probes_unchanged_when_steps_fill_the_budget(model_dir, workload, reference, top1):
+    """Steps that end a prompt and start another one's chunk as well (`--no-isolate-prompt-ends`, vLLM's way)."""
+    probes, crowd = workload
+    eng = engine(model_dir, max_num_batched_tokens=64, isolate_prompt_ends=False)
+    got = run(eng, probes, crowd, False, top1)
+    check(reference, False, got, top1)
+
+
 @pytest.mark.parametrize("scheduler", ["priority", "fair", "slo"])
 def test_greedy_probes_unchanged_under_sharing_strategies(model_dir, workload, reference, top1, scheduler):
     """The strategies that reorder and preempt by priority, tenant and deadline, with a crowd that has
