@@ -50,6 +50,9 @@ class Step:
     scheduled_ids: set[str] = field(default_factory=set)
     lora_ids: set[int] = field(default_factory=set)  # distinct LoRA adapters in this step
     interactive_decodes: int | None = None  # a step of this many interactive decodes and batch lines (tier_budget)
+    # an item feeds the last tokens of a prompt (or of a recompute, or of an embedding's input) and so ends with
+    # that request's first token (or its result): kept as items are added (Scheduler.chunk_allowed asks per request)
+    ends_a_prompt: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -60,16 +63,11 @@ class Step:
 
     def add(self, req: Request, n: int) -> None:
         self.items.append(ScheduledItem(req, n))
+        self.ends_a_prompt |= n > 1 and req.num_computed_tokens + n == req.num_tokens
         self.scheduled_ids.add(req.request_id)
         self.token_budget -= n
         if req.lora_request is not None:
             self.lora_ids.add(req.lora_request.lora_int_id)
-
-    def ends_a_prompt(self) -> bool:
-        """Whether an item of this step feeds the last tokens of a prompt (or of a recompute, or of an
-        embedding's input) and so ends with that request's first token (or its result)."""
-        return any(it.num_tokens - it.num_draft > 1 and it.request.num_computed_tokens + it.num_tokens
-                   - it.num_draft == it.request.num_tokens for it in self.items)
 
     def lora_fits(self, req: Request, max_loras: int) -> bool:
         """Whether `req` may join without the step holding more than `max_loras` distinct adapters."""
@@ -403,7 +401,7 @@ class Scheduler:
         prompts' tokens, not after the next prompt's first chunk as well. Nobody waits long for it: the refused
         request goes first next step (the ended prompt no longer competes), and only whole prompts that fit the
         rest of this one may pass it."""
-        return n >= want or not self.config.isolate_prompt_ends or not step.ends_a_prompt()
+        return n >= want or not self.config.isolate_prompt_ends or not step.ends_a_prompt
 
     def prefer_resident_loras(self, order: Iterable[Request], step: Step) -> list[Request]:
         """`order` (a policy's admission order) with requests for adapters already resident put first.
