@@ -8,15 +8,16 @@ import pytest
 from conveyor.lora.request import LoRARequest
 from conveyor.request import Request
 from conveyor.sampling_params import SamplingParams
-from tests.scheduler.harness import Harness
+from tests.scheduler.harness import Harness, distinct_prompt
 
 LORAS = {name: LoRARequest(name, i + 1, f"/adapters/{name}") for i, name in enumerate("ABCDEF")}
 
 
 def add(h: Harness, lora: str | None, max_tokens: int = 4, prompt_len: int = 4) -> Request:
     """A request under adapter `lora` (None: the base model), arriving now."""
-    rid = f"{lora or 'base'}{next(h.ids)}"
-    req = Request(rid, [100 + (hash((rid, i)) % 50) for i in range(prompt_len)],
+    k = next(h.ids)
+    rid = f"{lora or 'base'}{k}"
+    req = Request(rid, distinct_prompt(k, prompt_len),
                   SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_time=h.clock(),
                   lora_request=LORAS[lora] if lora else None)
     h.sched.add(req)

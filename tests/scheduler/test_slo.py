@@ -13,7 +13,7 @@ from conveyor.request import Request
 from conveyor.sampling_params import SamplingParams
 from conveyor.scheduler.policies import StepCost
 
-from .harness import Harness
+from .harness import Harness, distinct_prompt
 
 A, B = 0.01, 0.0001  # a step: 10 ms plus 0.1 ms per token
 
@@ -24,7 +24,7 @@ def cost(tokens: int) -> float:
 
 def add(h: Harness, rid: str, prompt_len: int, max_tokens: int, ttft: float | None, tpot: float | None = None,
         at: float | None = None) -> Request:
-    req = Request(rid, [100 + (hash((rid, i)) % 50) for i in range(prompt_len)],
+    req = Request(rid, distinct_prompt(next(h.ids), prompt_len),
                   SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                   arrival_time=h.clock() if at is None else at, slo_ttft_s=ttft, slo_tpot_s=tpot)
     h.sched.add(req)

@@ -13,7 +13,7 @@ from conveyor.request import Request, Tier
 from conveyor.sampling_params import SamplingParams
 from conveyor.scheduler.step_cost import DecodeShare, SeqStepCost
 
-from .harness import Harness
+from .harness import Harness, distinct_prompt
 
 ITERATION_FAMILY = ["iteration", "priority", "fair", "slo"]
 _ids = itertools.count()
@@ -21,8 +21,9 @@ _ids = itertools.count()
 
 def add(h: Harness, tier: Tier, prompt_len: int = 8, max_tokens: int = 4, tenant: str | None = None,
         priority: int = 0) -> Request:
-    rid = f"{tier.name.lower()}{next(_ids)}"
-    req = Request(rid, [100 + (hash((rid, i)) % 50) for i in range(prompt_len)],
+    k = next(_ids)
+    rid = f"{tier.name.lower()}{k}"
+    req = Request(rid, distinct_prompt(k, prompt_len),
                   SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_time=h.clock(), tenant=tenant,
                   priority=priority, tier=tier)
     h.sched.add(req)
