@@ -186,72 +186,95 @@ inline float hmax8(__m256 v) {
   return _mm_cvtss_f32(x);
 }
 
-// One 16-key tile for NR query rows, as tile16 above does it with AVX-512.
+// The AVX2 tile works in three passes over an item's rows, where the AVX-512 tile does a register block's scores,
+// softmax and P.V in turn: every row's scores, then every row's softmax (independent rows, whose dependent steps
+// overlap), then P.V; each pass takes the rows in the register blocks that suit it. The scores: two FMA chains per
+// (row, 8 keys), over even and odd d, added at the end (as the AVX-512 tile does), three rows at a time: 12
+// accumulators, and per d 2 key loads and 3 broadcasts for 6 FMAs. Two rows a block, as before, took a load per
+// FMA, and the loads bound it; one chain per key let four rows fit (8 accumulators) but lost the pairwise sum's
+// precision (fp32 logits off HF's by 1.3e-4 at head_dim 32, against 1e-4 allowed). A row's arithmetic is the same
+// in any block, so its result depends only on its position and context.
 template <typename T, int D, int NR>
-inline void tile16_avx2(const float (*Q)[D], float (*acc)[D], float* m, float* l, const int* valid, int n,
-                        const T* kt, int64_t kstride, const T* vt, const half* ksc, const half* vsc) {
-  // two partial sums per key (even and odd d), added at the end, as the AVX-512 tile does; two rows at a time
-  // (8 accumulators and 4 key vectors: all NR rows at once took 16 accumulators, more than the 16 registers
-  // hold with the keys, and spilled on every d)
-  __m256 s[NR][2];
-  for (int i0 = 0; i0 < NR; i0 += 2) {
-    constexpr int kPair = 2;
-    const int nr = std::min(kPair, NR - i0);
-    __m256 a[kPair][2], b[kPair][2];
-    for (int i = 0; i < kPair; ++i) a[i][0] = a[i][1] = b[i][0] = b[i][1] = _mm256_setzero_ps();
-    for (int d = 0; d < D; d += 2) {
+inline void scores_avx2(const float (*Q)[D], const T* kt, int64_t kstride, float (*S)[16]) {
+  static_assert(NR <= 3, "12 accumulators, 2 keys and a broadcast fill the 16 registers");
+  __m256 a[NR][2], b[NR][2];  // even d, odd d
+  for (int i = 0; i < NR; ++i) a[i][0] = a[i][1] = b[i][0] = b[i][1] = _mm256_setzero_ps();
+  for (int d = 0; d < D; d += 2) {
+    {
       const __m256 k0 = load8(kt + d * kstride), k1 = load8(kt + d * kstride + 8);
-      const __m256 k2 = load8(kt + (d + 1) * kstride), k3 = load8(kt + (d + 1) * kstride + 8);
-      for (int i = 0; i < nr; ++i) {
-        const __m256 qa = _mm256_set1_ps(Q[i0 + i][d]), qb = _mm256_set1_ps(Q[i0 + i][d + 1]);
-        a[i][0] = _mm256_fmadd_ps(qa, k0, a[i][0]);
-        a[i][1] = _mm256_fmadd_ps(qa, k1, a[i][1]);
-        b[i][0] = _mm256_fmadd_ps(qb, k2, b[i][0]);
-        b[i][1] = _mm256_fmadd_ps(qb, k3, b[i][1]);
+      for (int i = 0; i < NR; ++i) {
+        const __m256 q = _mm256_set1_ps(Q[i][d]);
+        a[i][0] = _mm256_fmadd_ps(q, k0, a[i][0]);
+        a[i][1] = _mm256_fmadd_ps(q, k1, a[i][1]);
       }
     }
-    for (int i = 0; i < nr; ++i)
-      s[i0 + i][0] = _mm256_add_ps(a[i][0], b[i][0]), s[i0 + i][1] = _mm256_add_ps(a[i][1], b[i][1]);
+    {
+      const __m256 k0 = load8(kt + (d + 1) * kstride), k1 = load8(kt + (d + 1) * kstride + 8);
+      for (int i = 0; i < NR; ++i) {
+        const __m256 q = _mm256_set1_ps(Q[i][d + 1]);
+        b[i][0] = _mm256_fmadd_ps(q, k0, b[i][0]);
+        b[i][1] = _mm256_fmadd_ps(q, k1, b[i][1]);
+      }
+    }
   }
-  alignas(32) float pr[NR][16];
-  float corr[NR];
-  constexpr bool quantized = std::is_same<T, int8_t>::value;
-  __m256 ks0 = _mm256_setzero_ps(), ks1 = ks0, vs0 = ks0, vs1 = ks0;
-  if constexpr (quantized) {
-    ks0 = load8_half(ksc), ks1 = load8_half(ksc + 8), vs0 = load8_half(vsc), vs1 = load8_half(vsc + 8);
-  }
-  const __m256i lane0 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), lane1 = _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15);
-  const __m256 neg = _mm256_set1_ps(-INFINITY);
   for (int i = 0; i < NR; ++i) {
-    const int vi = std::max(valid[i], 0);
-    const __m256i vv = _mm256_set1_epi32(vi);
-    const __m256 m0 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(vv, lane0));
-    const __m256 m1 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(vv, lane1));
-    __m256 s0 = s[i][0], s1 = s[i][1];
-    if constexpr (quantized) s0 = _mm256_mul_ps(s0, ks0), s1 = _mm256_mul_ps(s1, ks1);
-    const float mx = vi > 0 ? std::max(m[i], hmax8(_mm256_max_ps(_mm256_blendv_ps(neg, s0, m0),
-                                                                  _mm256_blendv_ps(neg, s1, m1))))
-                            : m[i];
-    const __m256 mxv = _mm256_set1_ps(mx);
-    const __m256 p0 = _mm256_and_ps(m0, exp8(_mm256_sub_ps(s0, mxv)));  // keys past the row's position: 0
-    const __m256 p1 = _mm256_and_ps(m1, exp8(_mm256_sub_ps(s1, mxv)));
-    corr[i] = vi > 0 ? exp_approx(m[i] - mx) : 1.f;
-    l[i] = l[i] * corr[i] + hsum8(_mm256_add_ps(p0, p1));
-    m[i] = mx;
-    _mm256_store_ps(pr[i], quantized ? _mm256_mul_ps(p0, vs0) : p0);
-    _mm256_store_ps(pr[i] + 8, quantized ? _mm256_mul_ps(p1, vs1) : p1);
+    _mm256_store_ps(S[i], _mm256_add_ps(a[i][0], b[i][0]));
+    _mm256_store_ps(S[i] + 8, _mm256_add_ps(a[i][1], b[i][1]));
   }
+}
+
+// One row's online-softmax step over its tile's scores S (replaced by the weights, times the values' scales for an
+// int8 cache): m updated, and the denominator l8, one partial sum per key lane (k and k + 8), summed across lanes
+// once, when the item's output is written (a horizontal sum every tile was 8% of a prompt's attention time); the
+// accumulator's correction returned (exactly 1 when the max did not move).
+template <bool QUANTIZED>
+inline float softmax_row_avx2(float* S, float& m, float* l8, int valid, __m256 ks0, __m256 ks1, __m256 vs0, __m256 vs1) {
+  const int vi = std::max(valid, 0);
+  const __m256i vv = _mm256_set1_epi32(vi);
+  const __m256 m0 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(vv, _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+  const __m256 m1 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(vv, _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15)));
+  __m256 s0 = _mm256_load_ps(S), s1 = _mm256_load_ps(S + 8);
+  if constexpr (QUANTIZED) s0 = _mm256_mul_ps(s0, ks0), s1 = _mm256_mul_ps(s1, ks1);
+  // the running max moves only when a key beats it (rarely, past a prompt's first tiles): else mx = m and
+  // corr = exp_approx(0) = 1 exactly, the same bits without the reduction and the scalar exp
+  const __m256 mold = _mm256_set1_ps(m);
+  const bool moves = vi > 0 && (_mm256_movemask_ps(_mm256_and_ps(m0, _mm256_cmp_ps(s0, mold, _CMP_GT_OQ))) |
+                                _mm256_movemask_ps(_mm256_and_ps(m1, _mm256_cmp_ps(s1, mold, _CMP_GT_OQ)))) != 0;
+  const __m256 neg = _mm256_set1_ps(-INFINITY);
+  const float mx = moves ? std::max(m, hmax8(_mm256_max_ps(_mm256_blendv_ps(neg, s0, m0), _mm256_blendv_ps(neg, s1, m1))))
+                         : m;
+  const __m256 mxv = _mm256_set1_ps(mx);
+  const __m256 p0 = _mm256_and_ps(m0, exp8(_mm256_sub_ps(s0, mxv)));  // keys past the row's position: 0
+  const __m256 p1 = _mm256_and_ps(m1, exp8(_mm256_sub_ps(s1, mxv)));
+  const float corr = moves ? exp_approx(m - mx) : 1.f;
+  const __m256 lo = _mm256_load_ps(l8);
+  _mm256_store_ps(l8, _mm256_add_ps(moves ? _mm256_mul_ps(lo, _mm256_set1_ps(corr)) : lo, _mm256_add_ps(p0, p1)));
+  m = mx;
+  _mm256_store_ps(S, QUANTIZED ? _mm256_mul_ps(p0, vs0) : p0);
+  _mm256_store_ps(S + 8, QUANTIZED ? _mm256_mul_ps(p1, vs1) : p1);
+  return corr;
+}
+
+// P.V for NR rows over the tile's first n keys (weights P), into the fp32 accumulators, rescaled first where a
+// row's max moved (x * 1 == x: skipped when none did).
+template <typename T, int D, int NR>
+inline void pv_avx2(const float (*P)[16], const float* corr, float (*acc)[D], const T* vt, int n) {
+  bool rescale = false;
+  for (int i = 0; i < NR; ++i) rescale |= corr[i] != 1.f;
   constexpr int CH = (NR <= 3 && D % 32 == 0) ? 32 : 16;  // accumulator chunk: NR x CH/8 registers
   for (int c = 0; c < D; c += CH) {
     __m256 a[NR][CH / 8];
     for (int i = 0; i < NR; ++i) {
       const __m256 ci = _mm256_set1_ps(corr[i]);
-      for (int b = 0; b < CH / 8; ++b) a[i][b] = _mm256_mul_ps(_mm256_load_ps(acc[i] + c + b * 8), ci);
+      for (int b = 0; b < CH / 8; ++b) {
+        a[i][b] = _mm256_load_ps(acc[i] + c + b * 8);
+        if (rescale) a[i][b] = _mm256_mul_ps(a[i][b], ci);
+      }
     }
     for (int j = 0; j < n; ++j) {
       for (int b = 0; b < CH / 8; ++b) {
         const __m256 v = load8(vt + j * D + c + b * 8);
-        for (int i = 0; i < NR; ++i) a[i][b] = _mm256_fmadd_ps(_mm256_set1_ps(pr[i][j]), v, a[i][b]);
+        for (int i = 0; i < NR; ++i) a[i][b] = _mm256_fmadd_ps(_mm256_set1_ps(P[i][j]), v, a[i][b]);
       }
     }
     for (int i = 0; i < NR; ++i)
@@ -259,19 +282,34 @@ inline void tile16_avx2(const float (*Q)[D], float (*acc)[D], float* m, float* l
   }
 }
 
-// All of an item's rows against one 16-key tile, four rows at a time (the keys and values as stored, or widened
-// to fp32 once for all the row blocks: the same values, so the same bits).
+// All of an item's rows against one 16-key tile (the keys and values as stored, or widened to fp32 once for all
+// the row blocks: the same values, so the same bits): every row's scores (three rows a block), then every row's
+// softmax, then P.V (four rows a block). P.V of a block runs over the keys its last row sees (rows are in position
+// order); the others' weights there are 0.
 template <typename T, int D>
-inline void tiles_avx2(const float (*Q)[D], float (*acc)[D], float* m, float* l, const int* valid, int rows,
+inline void tiles_avx2(const float (*Q)[D], float (*acc)[D], float* m, float (*l8)[8], const int* valid, int rows,
                        const T* kt, int64_t kstride, const T* vt, const half* ksc, const half* vsc) {
+  alignas(32) float S[MAX_ROWS][16];
+  float corr[MAX_ROWS];
   int r = 0;
-  for (; r + 4 <= rows; r += 4)
-    tile16_avx2<T, D, 4>(Q + r, acc + r, m + r, l + r, valid + r, std::max(valid[r + 3], 0), kt, kstride, vt, ksc, vsc);
+  for (; r + 3 <= rows; r += 3) scores_avx2<T, D, 3>(Q + r, kt, kstride, S + r);
+  switch (rows - r) {
+    case 2: scores_avx2<T, D, 2>(Q + r, kt, kstride, S + r); break;
+    case 1: scores_avx2<T, D, 1>(Q + r, kt, kstride, S + r); break;
+    default: break;
+  }
+  constexpr bool quantized = std::is_same<T, int8_t>::value;
+  __m256 ks0 = _mm256_setzero_ps(), ks1 = ks0, vs0 = ks0, vs1 = ks0;
+  if constexpr (quantized) {
+    ks0 = load8_half(ksc), ks1 = load8_half(ksc + 8), vs0 = load8_half(vsc), vs1 = load8_half(vsc + 8);
+  }
+  for (int i = 0; i < rows; ++i) corr[i] = softmax_row_avx2<quantized>(S[i], m[i], l8[i], valid[i], ks0, ks1, vs0, vs1);
+  for (r = 0; r + 4 <= rows; r += 4) pv_avx2<T, D, 4>(S + r, corr + r, acc + r, vt, std::max(valid[r + 3], 0));
   const int nl = std::max(valid[rows - 1], 0);
   switch (rows - r) {
-    case 3: tile16_avx2<T, D, 3>(Q + r, acc + r, m + r, l + r, valid + r, nl, kt, kstride, vt, ksc, vsc); break;
-    case 2: tile16_avx2<T, D, 2>(Q + r, acc + r, m + r, l + r, valid + r, nl, kt, kstride, vt, ksc, vsc); break;
-    case 1: tile16_avx2<T, D, 1>(Q + r, acc + r, m + r, l + r, valid + r, nl, kt, kstride, vt, ksc, vsc); break;
+    case 3: pv_avx2<T, D, 3>(S + r, corr + r, acc + r, vt, nl); break;
+    case 2: pv_avx2<T, D, 2>(S + r, corr + r, acc + r, vt, nl); break;
+    case 1: pv_avx2<T, D, 1>(S + r, corr + r, acc + r, vt, nl); break;
     default: break;
   }
 }
@@ -466,6 +504,11 @@ void attend_item(const T* __restrict q, T* __restrict out, const CT* __restrict 
 #else
   const bool use_dp = false;
 #endif
+#if CONVEYOR_ATTN_AVX2
+  const bool use_l8 = tile == 16 && D % 16 == 0;  // the AVX2 tile: its denominators, one partial sum per key lane
+  alignas(32) float l8[MAX_ROWS][8];
+  if (use_l8) std::memset(l8, 0, sizeof(float) * 8 * rows);
+#endif
   for (int r = 0; r < rows; ++r) {
     const int64_t t = q_begin + r / group;
     const int h = head0 + r % group;
@@ -555,11 +598,11 @@ void attend_item(const T* __restrict q, T* __restrict out, const CT* __restrict 
           }
           for (int j = 0; j < n; ++j)
             for (int d = 0; d < D; d += 8) _mm256_store_ps(V[j] + d, load8(vs + j * D + d));
-          tiles_avx2<float, D>(Q, acc, m, l, valid, rows, &Kt[0][0], KV_TILE, &V[0][0], nullptr, nullptr);
+          tiles_avx2<float, D>(Q, acc, m, l8, valid, rows, &Kt[0][0], KV_TILE, &V[0][0], nullptr, nullptr);
           continue;
         }
       }
-      tiles_avx2<CT, D>(Q, acc, m, l, valid, rows, ks, block_size, vs, ksc, vsc);
+      tiles_avx2<CT, D>(Q, acc, m, l8, valid, rows, ks, block_size, vs, ksc, vsc);
       continue;
     }
 #endif
@@ -612,7 +655,11 @@ void attend_item(const T* __restrict q, T* __restrict out, const CT* __restrict 
     const int64_t t = q_begin + r / group;
     const int h = head0 + r % group;
     T* dst = out + t * q_stride_t + h * D;
+#if CONVEYOR_ATTN_AVX2
+    const float inv = 1.f / (use_l8 ? hsum8(_mm256_load_ps(l8[r])) : l[r]);
+#else
     const float inv = 1.f / l[r];
+#endif
 #if CONVEYOR_ATTN_DPBF16
     if (use_dp) {  // the accumulator's lanes hold the dimensions permuted; l is one sum per key lane
       const float invl = 1.f / _mm512_reduce_add_ps(_mm512_load_ps(lv[r]));
