@@ -505,9 +505,11 @@ void attend_item(const T* __restrict q, T* __restrict out, const CT* __restrict 
   const bool use_dp = false;
 #endif
 #if CONVEYOR_ATTN_AVX2
-  const bool use_l8 = tile == 16 && D % 16 == 0;  // the AVX2 tile: its denominators, one partial sum per key lane
+  // Whether the AVX2 tile runs (whole 16-key tiles, whole 16-dimension chunks): the one place that decides, since it
+  // also decides where the denominators live (the tile keeps one partial sum per key lane in l8, not l).
+  const bool avx2_tile = tile == 16 && D % 16 == 0;
   alignas(32) float l8[MAX_ROWS][8];
-  if (use_l8) std::memset(l8, 0, sizeof(float) * 8 * rows);
+  if (avx2_tile) std::memset(l8, 0, sizeof(float) * 8 * rows);
 #endif
   for (int r = 0; r < rows; ++r) {
     const int64_t t = q_begin + r / group;
@@ -587,7 +589,7 @@ void attend_item(const T* __restrict q, T* __restrict out, const CT* __restrict 
     }
 #endif
 #if CONVEYOR_ATTN_AVX2
-    if (tile == 16 && D % 16 == 0) {
+    if (avx2_tile) {
       int valid[MAX_ROWS];
       for (int r = 0; r < rows; ++r) valid[r] = static_cast<int>(std::min<int64_t>(n, pos[r] + 1 - k0));
       if constexpr (std::is_same<CT, bf16>::value) {
@@ -656,7 +658,7 @@ void attend_item(const T* __restrict q, T* __restrict out, const CT* __restrict 
     const int h = head0 + r % group;
     T* dst = out + t * q_stride_t + h * D;
 #if CONVEYOR_ATTN_AVX2
-    const float inv = 1.f / (use_l8 ? hsum8(_mm256_load_ps(l8[r])) : l[r]);
+    const float inv = 1.f / (avx2_tile ? hsum8(_mm256_load_ps(l8[r])) : l[r]);
 #else
     const float inv = 1.f / l[r];
 #endif
