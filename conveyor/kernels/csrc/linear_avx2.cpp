@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <memory>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -204,11 +205,12 @@ void group(int rr, const float* xg, int64_t kp, const uint32_t* w, int64_t b, in
 // checks the shapes (K even, N a multiple of 16).
 void linear_avx2(const uint16_t* xd, const uint16_t* wd, uint16_t* od, int64_t m, int64_t k, int64_t nblk) {
   const int64_t n = nblk * 16, kp = k / 2, groups = (m + kGroup - 1) / kGroup;
-  // the activations widened once (not once per column block), each group of rows as [K][kGroup]
-  std::vector<float> xp(static_cast<size_t>(groups * k * kGroup), 0.0f);
+  // the activations widened once (not once per column block), each group of rows as [K][kGroup]; a last group's
+  // missing rows are never read (every block reads only its rr rows), so they are left as they are
+  float* const xw = scratch_floats(0, static_cast<size_t>(groups * k * kGroup));
   parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      float* dst = xp.data() + (r / kGroup) * k * kGroup + r % kGroup;
+      float* dst = xw + (r / kGroup) * k * kGroup + r % kGroup;
       for (int64_t i = 0; i < k; ++i) dst[i * kGroup] = bits_to_float(static_cast<uint32_t>(xd[r * k + i]) << 16);
     }
   });
@@ -216,7 +218,7 @@ void linear_avx2(const uint16_t* xd, const uint16_t* wd, uint16_t* od, int64_t m
   if (m < kWidenFrom) {  // streaming the weights
     constexpr int64_t kColGroup = 8;  // 128 columns: their weights (K x 256 B) stay in L2 across the row groups
     over_blocks_and_rows(nblk, m, kColGroup, kGroup, [&](int64_t b, int64_t e, int64_t r, int rr) {
-      group(rr, xp.data() + (r / kGroup) * k * kGroup, kp, w, b, e - b, od + r * n, n);
+      group(rr, xw + (r / kGroup) * k * kGroup, kp, w, b, e - b, od + r * n, n);
     });
     return;
   }
@@ -242,7 +244,7 @@ void linear_avx2(const uint16_t* xd, const uint16_t* wd, uint16_t* od, int64_t m
             widen(w + (b * kp + k0 / 2) * 16, kc / 2, wf.data());
             for (int64_t r = r0; r < r1; r += kGroup)
               rows_f32(static_cast<int>(std::min<int64_t>(kGroup, r1 - r)),
-                       xp.data() + (r / kGroup) * k * kGroup + k0 * kGroup, kc, wf.data(), cs + (r - r0) * 16);
+                       xw + (r / kGroup) * k * kGroup + k0 * kGroup, kc, wf.data(), cs + (r - r0) * 16);
           }
           for (int64_t r = r0; r < r1; r += kGroup)
             store_rows_bf16(cs + (r - r0) * 16, static_cast<int>(std::min<int64_t>(kGroup, r1 - r)),

@@ -17,7 +17,7 @@
 // y = fma(z', group sum of x, y), groups in order; one rounding to the output dtype at the end.
 #include <algorithm>
 #include <cstdint>
-#include <vector>
+#include <memory>
 
 #include "kernel_api.h"
 
@@ -104,11 +104,12 @@ void linear_int4(DType dt, const void* xv, const uint8_t* q, const float* sz, vo
                  int64_t n) {
   const int64_t groups = k / kGroupK, nblk = n / 16;
   // the activations in fp32 once, and each group's sum (for the zeros), summed in k order
-  std::vector<float> xf(static_cast<size_t>(m * k)), xs(static_cast<size_t>(m * groups));
-  rows_to_fp32(dt, xv, m, k, xf.data());
+  float* const xf = scratch_floats(0, static_cast<size_t>(m * k));
+  float* const xs = scratch_floats(1, static_cast<size_t>(m * groups));
+  rows_to_fp32(dt, xv, m, k, xf);
   parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const float* dst = xf.data() + r * k;
+      const float* dst = xf + r * k;
       for (int64_t g = 0; g < groups; ++g) {
         float s = 0.0f;
         for (int64_t i = 0; i < kGroupK; ++i) s += dst[g * kGroupK + i];
@@ -118,7 +119,7 @@ void linear_int4(DType dt, const void* xv, const uint8_t* q, const float* sz, vo
   });
   const size_t esize = dt == DType::BF16 ? 2 : 4;
   over_blocks_and_rows(nblk, m, kColBlocks, kRows, [&](int64_t b, int64_t e, int64_t r, int rr) {
-    pass(rr, xf.data() + r * k, xs.data() + r * groups, k, groups, q, sz, b, e, dt,
+    pass(rr, xf + r * k, xs + r * groups, k, groups, q, sz, b, e, dt,
          static_cast<char*>(out) + static_cast<size_t>(r * n) * esize, n);
   });
 }

@@ -11,7 +11,7 @@
 // FMA chains (even k, odd k) of q * x in k order, added, times the scale; one rounding to the output dtype.
 #include <algorithm>
 #include <cstdint>
-#include <vector>
+#include <memory>
 
 #include "kernel_api.h"
 
@@ -68,11 +68,11 @@ inline void tile(const float* x, int64_t k, const int8_t* q, const float* scale,
 void linear_int8(DType dt, const void* xv, const int8_t* q, const float* scale, void* out, int64_t m, int64_t k,
                  int64_t n) {
   const int64_t nblk = n / 16;
-  std::vector<float> xf(static_cast<size_t>(m * k));  // the activations in fp32 once
-  rows_to_fp32(dt, xv, m, k, xf.data());
+  float* const xf = scratch_floats(0, static_cast<size_t>(m * k));  // the activations in fp32 once
+  rows_to_fp32(dt, xv, m, k, xf);
   const size_t esize = dt == DType::BF16 ? 2 : 4;
   over_blocks_and_rows(nblk, m, kColBlocks, kRows, [&](int64_t b, int64_t e, int64_t r, int rr) {
-    const float* x = xf.data() + r * k;
+    const float* x = xf + r * k;
     void* o = static_cast<char*>(out) + static_cast<size_t>(r * n) * esize;
     for (int64_t j = b; j < e; ++j) {
       switch (rr) {
