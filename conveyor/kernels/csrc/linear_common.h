@@ -29,7 +29,8 @@ __attribute__((noinline)) inline void store_rows_bf16(const float* c, int rows, 
 // A buffer of at least n floats, uninitialised: the calling thread's `slot` (0 or 1), kept between calls and only
 // ever grown. Why not a std::vector per call: a 2,048-token step's down_proj widens 2,048 x 8,192 activations (64
 // MiB, above glibc's mmap threshold), so each call got a fresh mapping whose every page faulted in again and was
-// zeroed, every layer: down_proj ran at 133-139 GFLOP/s against 174-178 with this buffer on a Zen 3 (two threads).
+// zeroed, every layer: down_proj ran at 133-162 GFLOP/s against 169-183 with this buffer on a Zen 3 (two threads,
+// two alternating rounds; docs/performance.md, "2026-12-06, fourth").
 inline float* scratch_floats(int slot, size_t n) {
   thread_local std::unique_ptr<float[]> buf[2];
   thread_local size_t cap[2] = {0, 0};
