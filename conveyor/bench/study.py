@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import shlex
@@ -425,16 +426,23 @@ def tree_memory(pid: int, pss: bool = False) -> tuple[int, int]:
 
 
 class TreeMemory(threading.Thread):
-    """Samples a process tree's memory (`tree_memory`) every `every` seconds, in a thread started here: the
-    last sample, and the peaks while loading (until `ready()`) and while serving."""
+    """Samples a process tree's memory (`tree_memory`) in a thread started here: the RSS every `every` seconds,
+    the PSS at most every `pss_every` seconds; the last RSS, and the peaks while loading (until `ready()`) and
+    while serving.
 
-    def __init__(self, pid: int, every: float = 0.25, pss: bool = True) -> None:
+    Why PSS so rarely: reading it walks every page of the tree's mappings (/proc/PID/smaps). For a 1B model's
+    server (a 9.4 GiB KV pool) that took 46-67 ms a call; every 0.25 s it kept ~0.4 of a 2-core machine's CPUs
+    busy beside the server being measured, whose two compute threads then waited for each other at every
+    barrier (docs/performance.md, 2026-12-06, fifth). The RSS (/proc/PID/statm) costs ~2 ms a tree."""
+
+    def __init__(self, pid: int, every: float = 0.25, pss: bool = True, pss_every: float = 30.0) -> None:
         super().__init__(daemon=True)
-        self.pid, self.every, self.pss, self.t0 = pid, every, pss, time.monotonic()
+        self.pid, self.every, self.pss, self.pss_every, self.t0 = pid, every, pss, pss_every, time.monotonic()
         self.ready_s: float | None = None
         self.last_rss = 0
         self.peak = {"loading": [0, 0], "serving": [0, 0]}  # phase -> [rss, pss] bytes
         self._done = threading.Event()  # not _stop: threading.Thread has its own
+        self._pss_at = -math.inf  # when the PSS was last read
         self.start()
 
     def ready(self) -> None:
@@ -446,21 +454,34 @@ class TreeMemory(threading.Thread):
 
     def run(self) -> None:
         while True:
+            now = time.monotonic()
+            with_pss = self.pss and now - self._pss_at >= self.pss_every
             try:
-                rss, pss = tree_memory(self.pid, self.pss)
+                rss, pss = tree_memory(self.pid, with_pss)
             except psutil.Error:  # not there (yet, or any more)
                 rss = pss = 0
             if rss:
                 self.last_rss = rss
                 peak = self.peak["loading" if self.ready_s is None else "serving"]
-                peak[0], peak[1] = max(peak[0], rss), max(peak[1], pss)
+                peak[0] = max(peak[0], rss)
+                if with_pss or not self.pss:  # without PSS, tree_memory's PSS is the RSS
+                    self._pss_at = now
+                    peak[1] = max(peak[1], pss)
             if self._done.wait(self.every):
                 return
 
     def result(self) -> dict[str, Any]:
-        """Stops sampling: the time to ready and each phase's peaks in GiB."""
+        """Stops sampling: the time to ready and each phase's peaks in GiB (the PSS read once more now, the
+        measured work being over)."""
         self._done.set()
         self.join(10)
+        if self.pss:
+            try:
+                _, pss = tree_memory(self.pid, True)
+                peak = self.peak["loading" if self.ready_s is None else "serving"]
+                peak[1] = max(peak[1], pss)
+            except psutil.Error:
+                pass
         return {"ready_s": self.ready_s, **{f"peak_{kind}_{phase}_gib": round(v[i] / GiB, 2)
                                             for phase, v in self.peak.items() for i, kind in enumerate(("rss", "pss"))}}
 

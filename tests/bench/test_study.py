@@ -169,6 +169,25 @@ def test_tree_memory_counts_this_process() -> None:
     assert mem.last_rss > 0 and mem.peak_rss >= mem.last_rss and out["peak_rss_loading_gib"] > 0
 
 
+
+def test_tree_memory_reads_pss_rarely(monkeypatch) -> None:
+    """The PSS walks every page of the tree (46-67 ms a call at the 1B shape): at most once per `pss_every` while
+    sampling, and once more at the end; the RSS every `every`."""
+    calls = {True: 0, False: 0}
+
+    def fake(pid: int, pss: bool = False) -> tuple[int, int]:
+        calls[pss] += 1
+        return 100 * 2**20, (60 if pss else 100) * 2**20
+
+    monkeypatch.setattr(study, "tree_memory", fake)
+    mem = study.TreeMemory(os.getpid(), every=0.005, pss=True, pss_every=3600)
+    mem.ready()
+    time.sleep(0.2)
+    out = mem.result()
+    assert calls[True] == 2 and calls[False] >= 10
+    assert out["peak_pss_serving_gib"] == round(60 / 1024, 2) and out["peak_rss_serving_gib"] == round(100 / 1024, 2)
+
+
 # --- the studies ---------------------------------------------------------------------------------------------
 def scripts() -> list[Path]:
     return sorted(BENCHMARKS.glob("*.py"))
