@@ -431,9 +431,9 @@ class TreeMemory(threading.Thread):
     while serving.
 
     Why PSS so rarely: reading it walks every page of the tree's mappings (/proc/PID/smaps). For a 1B model's
-    server (a 9.4 GiB KV pool) that took 46-67 ms a call; every 0.25 s it kept ~0.4 of a 2-core machine's CPUs
-    busy beside the server being measured, whose two compute threads then waited for each other at every
-    barrier (docs/performance.md, 2026-12-06, fifth). The RSS (/proc/PID/statm) costs ~2 ms a tree."""
+    server (a 9.4 GiB KV pool) that took 46-67 ms a call: every 0.25 s, a quarter of a core or more taken beside
+    the server being measured, on a 2-core machine (docs/performance.md, 2026-12-06, fifth). The RSS
+    (/proc/PID/statm) costs ~2 ms a tree."""
 
     def __init__(self, pid: int, every: float = 0.25, pss: bool = True, pss_every: float = 30.0) -> None:
         super().__init__(daemon=True)
