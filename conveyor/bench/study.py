@@ -452,6 +452,10 @@ class TreeMemory(threading.Thread):
     def peak_rss(self) -> int:
         return max(v[0] for v in self.peak.values())
 
+    def _phase_peak(self) -> list[int]:
+        """[rss, pss] peaks of the phase now: loading until `ready()`, then serving."""
+        return self.peak["loading" if self.ready_s is None else "serving"]
+
     def run(self) -> None:
         while True:
             now = time.monotonic()
@@ -462,7 +466,7 @@ class TreeMemory(threading.Thread):
                 rss = pss = 0
             if rss:
                 self.last_rss = rss
-                peak = self.peak["loading" if self.ready_s is None else "serving"]
+                peak = self._phase_peak()
                 peak[0] = max(peak[0], rss)
                 if with_pss or not self.pss:  # without PSS, tree_memory's PSS is the RSS
                     self._pss_at = now
@@ -478,7 +482,7 @@ class TreeMemory(threading.Thread):
         if self.pss:
             try:
                 _, pss = tree_memory(self.pid, True)
-                peak = self.peak["loading" if self.ready_s is None else "serving"]
+                peak = self._phase_peak()
                 peak[1] = max(peak[1], pss)
             except psutil.Error:
                 pass

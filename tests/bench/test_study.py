@@ -169,7 +169,6 @@ def test_tree_memory_counts_this_process() -> None:
     assert mem.last_rss > 0 and mem.peak_rss >= mem.last_rss and out["peak_rss_loading_gib"] > 0
 
 
-
 def test_tree_memory_reads_pss_rarely(monkeypatch) -> None:
     """The PSS walks every page of the tree (46-67 ms a call at the 1B shape): at most once per `pss_every` while
     sampling, and once more at the end; the RSS every `every`."""
