@@ -446,6 +446,10 @@ class TreeMemory(threading.Thread):
         self.start()
 
     def ready(self) -> None:
+        """Ends the loading phase, reading its PSS once more first: a server that is ready in less than
+        `pss_every` would otherwise keep only the PSS of its first instant (a few MiB) as the loading peak."""
+        if self.pss:
+            self._read_pss_into(self.peak["loading"])
         self.ready_s = time.monotonic() - self.t0
 
     @property
@@ -480,14 +484,18 @@ class TreeMemory(threading.Thread):
         self._done.set()
         self.join(10)
         if self.pss:
-            try:
-                _, pss = tree_memory(self.pid, True)
-                peak = self._phase_peak()
-                peak[1] = max(peak[1], pss)
-            except psutil.Error:
-                pass
-        return {"ready_s": self.ready_s, **{f"peak_{kind}_{phase}_gib": round(v[i] / GiB, 2)
+            self._read_pss_into(self._phase_peak())
+        # a peak never read (the tree gone before it could be) is None, not 0 GiB
+        return {"ready_s": self.ready_s, **{f"peak_{kind}_{phase}_gib": round(v[i] / GiB, 2) if v[i] else None
                                             for phase, v in self.peak.items() for i, kind in enumerate(("rss", "pss"))}}
+
+    def _read_pss_into(self, peak: list[int]) -> None:
+        """One PSS read, outside the sampling rhythm, into a phase's [rss, pss] peaks."""
+        try:
+            _, pss = tree_memory(self.pid, True)
+        except psutil.Error:  # the tree is gone
+            return
+        peak[1] = max(peak[1], pss)
 
 
 # --- the studies ---------------------------------------------------------------------------------------------

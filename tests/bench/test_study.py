@@ -171,20 +171,38 @@ def test_tree_memory_counts_this_process() -> None:
 
 def test_tree_memory_reads_pss_rarely(monkeypatch) -> None:
     """The PSS walks every page of the tree (46-67 ms a call at the 1B shape): at most once per `pss_every` while
-    sampling, and once more at the end; the RSS every `every`."""
+    sampling, once more as loading ends (its peak: the PSS grows while loading) and once at the end; the RSS
+    every `every`."""
     calls = {True: 0, False: 0}
+    pss_mib = [20]  # the tree's PSS now: it grows while the weights load
 
     def fake(pid: int, pss: bool = False) -> tuple[int, int]:
         calls[pss] += 1
-        return 100 * 2**20, (60 if pss else 100) * 2**20
+        return 100 * 2**20, (pss_mib[0] if pss else 100) * 2**20
 
     monkeypatch.setattr(study, "tree_memory", fake)
     mem = study.TreeMemory(os.getpid(), every=0.005, pss=True, pss_every=3600)
+    time.sleep(0.05)
+    pss_mib[0] = 60
     mem.ready()
     time.sleep(0.2)
+    pss_mib[0] = 70
     out = mem.result()
-    assert calls[True] == 2 and calls[False] >= 10
-    assert out["peak_pss_serving_gib"] == round(60 / 1024, 2) and out["peak_rss_serving_gib"] == round(100 / 1024, 2)
+    assert calls[True] == 3 and calls[False] >= 10
+    assert out["peak_pss_loading_gib"] == round(60 / 1024, 2)
+    assert out["peak_pss_serving_gib"] == round(70 / 1024, 2) and out["peak_rss_serving_gib"] == round(100 / 1024, 2)
+
+
+def test_tree_memory_reports_an_unread_peak_as_none(monkeypatch) -> None:
+    """A tree gone before its PSS could be read has no PSS peak: None in the result, not 0 GiB."""
+    def gone(pid: int, pss: bool = False) -> tuple[int, int]:
+        raise study.psutil.NoSuchProcess(pid)
+
+    monkeypatch.setattr(study, "tree_memory", gone)
+    mem = study.TreeMemory(os.getpid(), every=0.005, pss=True)
+    mem.ready()
+    out = mem.result()
+    assert out["peak_pss_loading_gib"] is None and out["peak_rss_serving_gib"] is None
 
 
 # --- the studies ---------------------------------------------------------------------------------------------
