@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from conveyor import kernels
+from conveyor.kernels.variants import cpu_info
 from conveyor.model import w8a8
 from conveyor.model.w8a8 import W8A8Linear, fwht, quantize_activations
 
@@ -100,6 +101,21 @@ def test_close_to_the_float_product(dtype):
         if lin.kernel:
             assert torch.equal(lin.reference(x), lin(x))
     assert errors[32] < 0.02 and errors[0] < 0.05 and errors[32] < 0.7 * errors[0], errors
+
+
+@pytest.mark.skipif(not KERNEL or "amx_int8" not in cpu_info().flags,
+                    reason="no AMX-INT8 on this CPU (an Intel Xeon from Sapphire Rapids on has it)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_amx_int8_tiles_run_and_match_the_reference_exactly(dtype):
+    """On a CPU with AMX-INT8 the kernel runs on tiles (tdpbusd), with the VNNI path's bits: more rows than one
+    256-row chunk, an odd row group at the end, column blocks that do not fill the 4-block groups, a K of 64s
+    (tiles) and one that is not (the VNNI path)."""
+    assert w8a8.kernel_isa() == "amx-int8"
+    g = torch.Generator().manual_seed(5)
+    for m, k, n in ((300, 2048, 208), (17, 8192, 48), (1, 64, 16), (47, 1536, 80), (33, 100, 32)):
+        lin = W8A8Linear(torch.randn(n, k, generator=g), None, dtype)
+        x = rows(m, k, dtype, g)
+        assert torch.equal(lin(x), lin.reference(x)), (m, k, n)
 
 
 @needs_kernel

@@ -28,9 +28,9 @@
 // pairs *with saturation*, which xq + 128 would reach (2 x 255 x 127 > 32767); so instead |xq| times q with xq's
 // sign (vpsignb), at most 2 x 127 x 127 = 32,258 a pair: exact, no compensation; vpmaddwd by ones then sums pairs
 // into int32 lanes.
-// AMX-INT8 (Sapphire Rapids and later) is not here: this layout is its B tile, but there is no AMX machine to
-// test it on, and an untested tile path would run only where no one here can see it fail. Such CPUs run the
-// VNNI path (correct, ~1/4 of what tiles could do); docs/quantization.md says so.
+// AMX-INT8 (Intel Xeon from Sapphire Rapids on; linear_w8a8_amx below): this layout is exactly its B tile (16
+// groups of 4 k by 16 columns, 64 bytes a tile row), and tdpbusd is vpdpbusd's arithmetic on 16 x 64 x 16 at once:
+// the same u8 x s8 products summed exactly in int32, the same compensation and epilogue, so the same bits.
 
 #include "kernel_api.h"
 #include "vec_math.h"
@@ -45,6 +45,12 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define CONVEYOR_W8A8 1  // VNNI
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define CONVEYOR_W8A8_AMX 1
+#endif
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define CONVEYOR_W8A8 2  // AVX2: vpmaddubsw with the sign trick
@@ -459,6 +465,162 @@ void linear_w8a8(DType dt, const void* x, const int8_t* w, const int32_t* comp, 
     }
   });
 }
+
+#if CONVEYOR_W8A8_AMX
+namespace {
+
+// Whether this CPU has AMX tiles with int8 (CPUID leaf 7: EDX bits 24 and 25) and Linux hands this process the
+// tile state (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA): an AMD Zen 4 or 5 runs this variant without AMX.
+bool amx_int8_ready() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1u) || !((d >> 25) & 1u)) return false;
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+constexpr int64_t kTileRows = 16;
+constexpr int64_t kAmxRowChunk = 256;  // rows per pass over a thread's weights (their activations stay in L2)
+constexpr int kAmxPrefetch = 4;  // B tiles asked for this many 64-wide K steps ahead (a decode step streams them)
+
+inline void prefetch_b(const int8_t* p) {
+  for (int l = 0; l < 16; ++l) _mm_prefetch(reinterpret_cast<const char*>(p + l * 64), _MM_HINT_T0);
+}
+
+// The epilogue of rows [r, r + rows) of the C tile in cbuf (16 x 16 int32) at column block blk: as tile()'s.
+inline void amx_epilogue(const Gemm& g, const int32_t* cbuf, int64_t r, int64_t rows, int64_t blk) {
+  const int64_t col = blk * 16;
+  const __m512i comp = _mm512_loadu_si512(g.comp + col);
+  const __m512 sw = _mm512_loadu_ps(g.sw + col);
+  for (int64_t i = 0; i < rows; ++i) {
+    const __m512i v = _mm512_sub_epi32(_mm512_load_si512(cbuf + i * 16), comp);
+    const __m512 s = _mm512_mul_ps(_mm512_set1_ps(g.sx[r + i]), sw);
+    store16(g.dt, g.out, (r + i) * g.n + col, _mm512_mul_ps(_mm512_cvtepi32_ps(v), s));
+  }
+}
+
+// Two 16-row groups (A in tiles 4, 5) times NB (1 or 2) column blocks from b0 (B in 6, 7), the whole K: C tiles
+// 0, 1 (first group) and 2, 3 (second), stored to cbuf at 0, 256, 512, 768.
+template <int NB>
+inline void amx_2x2(const Gemm& g, const uint8_t* a0, const uint8_t* a1, int64_t b0, int32_t* cbuf) {
+  _tile_zero(0);
+  _tile_zero(2);
+  if (NB > 1) { _tile_zero(1); _tile_zero(3); }
+  const int64_t groups = g.kp / 4, step = groups * 64;  // bytes from one column block to the next
+  const int8_t* wb0 = g.w + b0 * step;
+  for (int64_t k0 = 0; k0 < g.kp; k0 += 64) {
+    const int8_t* wb = wb0 + k0 * 16;  // 16 groups of 4 k (64 bytes each) per 64 k
+    if (k0 + 64 * kAmxPrefetch < g.kp)
+      for (int j = 0; j < NB; ++j) prefetch_b(wb + j * step + kAmxPrefetch * 1024);
+    _tile_loadd(4, a0 + k0, g.kp);
+    _tile_loadd(5, a1 + k0, g.kp);
+    _tile_loadd(6, wb, 64);
+    _tile_dpbusd(0, 4, 6);
+    _tile_dpbusd(2, 5, 6);
+    if (NB > 1) {
+      _tile_loadd(7, wb + step, 64);
+      _tile_dpbusd(1, 4, 7);
+      _tile_dpbusd(3, 5, 7);
+    }
+  }
+  _tile_stored(0, cbuf, 64);
+  _tile_stored(2, cbuf + 512, 64);
+  if (NB > 1) { _tile_stored(1, cbuf + 256, 64); _tile_stored(3, cbuf + 768, 64); }
+}
+
+// One 16-row group (A in tile 4) times NB (1-4) column blocks from b0: C tiles 0-3, B in 5-7 (the fourth block's
+// B goes to tile 5 again). A decode step of up to 16 rows: each A load serves four blocks.
+template <int NB>
+inline void amx_1xn(const Gemm& g, const uint8_t* a, int64_t b0, int32_t* cbuf) {
+  if (NB > 0) _tile_zero(0);
+  if (NB > 1) _tile_zero(1);
+  if (NB > 2) _tile_zero(2);
+  if (NB > 3) _tile_zero(3);
+  const int64_t groups = g.kp / 4, step = groups * 64;
+  const int8_t* wb0 = g.w + b0 * step;
+  for (int64_t k0 = 0; k0 < g.kp; k0 += 64) {
+    const int8_t* wb = wb0 + k0 * 16;
+    if (k0 + 64 * kAmxPrefetch < g.kp)
+      for (int j = 0; j < NB; ++j) prefetch_b(wb + j * step + kAmxPrefetch * 1024);
+    _tile_loadd(4, a + k0, g.kp);
+    if (NB > 0) { _tile_loadd(5, wb, 64); _tile_dpbusd(0, 4, 5); }
+    if (NB > 1) { _tile_loadd(6, wb + step, 64); _tile_dpbusd(1, 4, 6); }
+    if (NB > 2) { _tile_loadd(7, wb + 2 * step, 64); _tile_dpbusd(2, 4, 7); }
+    if (NB > 3) { _tile_loadd(5, wb + 3 * step, 64); _tile_dpbusd(3, 4, 5); }
+  }
+  if (NB > 0) _tile_stored(0, cbuf, 64);
+  if (NB > 1) _tile_stored(1, cbuf + 256, 64);
+  if (NB > 2) _tile_stored(2, cbuf + 512, 64);
+  if (NB > 3) _tile_stored(3, cbuf + 768, 64);
+}
+
+}  // namespace
+
+// linear_w8a8 on AMX tiles where K (padded to 4) is a multiple of 64, the A tile's width; other shapes take the
+// VNNI path (the same bits). Each thread of torch's pool owns an equal share of the 16-column blocks and passes
+// over them once per chunk of rows. The quantized activations are kept with their rows padded to a whole tile.
+void linear_w8a8_amx(DType dt, const void* x, const int8_t* w, const int32_t* comp, const float* sw, void* out,
+                     int64_t m, int64_t k, int64_t n, int64_t had) {
+  const int64_t kp = padded_k(k), nblk = n / 16;
+  if (kp % 64 != 0 || m == 0) return linear_w8a8(dt, x, w, comp, sw, out, m, k, n, had);
+  const int64_t mp = (m + kTileRows - 1) / kTileRows * kTileRows;
+  Scratch xq(static_cast<size_t>(mp * kp)), sx(static_cast<size_t>(m) * sizeof(float));
+  float* sxp = reinterpret_cast<float*>(sx.p);
+  parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) { quantize_rows(dt, x, k, kp, had, r0, r1, xq.p, sxp, kOffset); });
+  std::memset(xq.p + m * kp, 0, static_cast<size_t>((mp - m) * kp));  // the padding rows: read, never stored
+  const Gemm g{xq.p, sxp, w, comp, sw, out, dt, kp, n};
+  const int64_t nt = get_num_threads();
+  parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+    TileConfig cfg;
+    for (int t = 0; t < 8; ++t) {
+      cfg.rows[t] = kTileRows;
+      cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+    alignas(64) int32_t cbuf[4 * 256];
+    for (int64_t th = t0; th < t1; ++th) {
+      const int64_t lo = nblk * th / nt, hi = nblk * (th + 1) / nt;
+      for (int64_t m0 = 0; m0 < m; m0 += kAmxRowChunk) {
+        const int64_t m1 = std::min(m, m0 + kAmxRowChunk);
+        for (int64_t b = lo; b < hi; b += 4) {
+          const int nb = static_cast<int>(std::min<int64_t>(4, hi - b));
+          int64_t r = m0;
+          for (; r + kTileRows < m1; r += 2 * kTileRows) {  // two row groups at a time (prefill, large batches)
+            const int64_t rows1 = std::min<int64_t>(kTileRows, m1 - r - kTileRows);
+            for (int j = 0; j < nb; j += 2) {
+              const uint8_t* a0 = xq.p + r * kp;
+              if (nb - j >= 2) amx_2x2<2>(g, a0, a0 + kTileRows * kp, b + j, cbuf);
+              else amx_2x2<1>(g, a0, a0 + kTileRows * kp, b + j, cbuf);
+              for (int c = 0; c < std::min(2, nb - j); ++c) {
+                amx_epilogue(g, cbuf + c * 256, r, kTileRows, b + j + c);
+                amx_epilogue(g, cbuf + (c + 2) * 256, r + kTileRows, rows1, b + j + c);
+              }
+            }
+          }
+          if (r < m1) {  // one row group left (a decode step of up to 16 rows)
+            const uint8_t* a = xq.p + r * kp;
+            switch (nb) {
+              case 1: amx_1xn<1>(g, a, b, cbuf); break;
+              case 2: amx_1xn<2>(g, a, b, cbuf); break;
+              case 3: amx_1xn<3>(g, a, b, cbuf); break;
+              default: amx_1xn<4>(g, a, b, cbuf); break;
+            }
+            for (int j = 0; j < nb; ++j) amx_epilogue(g, cbuf + j * 256, r, std::min<int64_t>(kTileRows, m1 - r), b + j);
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
 #endif
 
 void register_linear_w8a8(Table& t) {
@@ -466,6 +628,12 @@ void register_linear_w8a8(Table& t) {
   t.linear_w8a8 = &linear_w8a8;
   t.w8a8_quantize = &w8a8_quantize;
   t.w8a8_isa = CONVEYOR_W8A8 == 1 ? "avx512-vnni" : "avx2";
+#if CONVEYOR_W8A8_AMX
+  if (amx_int8_ready()) {
+    t.linear_w8a8 = &linear_w8a8_amx;
+    t.w8a8_isa = "amx-int8";
+  }
+#endif
 #else
   (void)t;
 #endif
