@@ -123,14 +123,14 @@ def pack_weight(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def kernel_available(dtype: torch.dtype) -> bool:
-    """Whether the compiled W8A8 kernel runs here for activations in `dtype` (AVX-512 VNNI or AVX2)."""
+    """Whether the compiled W8A8 kernel runs here for activations in `dtype` (AMX-INT8, AVX-512 VNNI or AVX2)."""
     k = kernels.load()
     return (k is not None and getattr(k, "linear_w8a8_available", lambda: False)()
             and dtype in (torch.float32, torch.bfloat16))
 
 
 def kernel_isa() -> str:
-    """"avx512-vnni", "avx2", or "torch" (the reference: no compiled kernel for this CPU or build)."""
+    """"amx-int8", "avx512-vnni", "avx2", or "torch" (the reference: no compiled kernel for this CPU or build)."""
     k = kernels.load()
     return (getattr(k, "w8a8_isa", lambda: "")() if k is not None else "") or "torch"
 
