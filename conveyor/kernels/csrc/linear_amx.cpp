@@ -22,10 +22,7 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BF16__) && \
     defined(__linux__)
-#include <cpuid.h>
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 #define CONVEYOR_HAS_AMX 1
 #else
 #define CONVEYOR_HAS_AMX 0
@@ -36,24 +33,6 @@ namespace CONVEYOR_VARIANT {
 
 #if CONVEYOR_HAS_AMX
 namespace {
-
-// Whether this CPU has AMX tiles with bf16 (CPUID leaf 7: EDX bits 24 and 22) and Linux hands this process
-// the tile state (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA): a variant built with AMX also runs on CPUs
-// without it (an AMD Zen 4 has AVX-512 BF16), where this kernel stays out of the table.
-bool amx_ready() {
-  unsigned a, b, c, d;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1u) || !((d >> 22) & 1u)) return false;
-  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 constexpr int kTileRows = 16;
 constexpr int kColBlocks = 4;  // C tiles 0-3: 4 blocks of 16 columns; tile 4: A; tiles 5-7: B
@@ -143,12 +122,7 @@ void linear_amx(const uint16_t* xd, const uint16_t* wd, uint16_t* od, int64_t m,
   // one chunk per thread of torch's pool (`--threads`): each owns an equal share of the 16-column blocks
   const int64_t nt = get_num_threads();
   parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
-    TileConfig cfg;
-    for (int t = 0; t < 8; ++t) {
-      cfg.rows[t] = kTileRows;
-      cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
+    amx::configure();
     alignas(64) float cbuf[kColBlocks * 256];
     for (int64_t th = t0; th < t1; ++th) {
       const int64_t lo = nblk * th / nt, hi = nblk * (th + 1) / nt;
@@ -188,7 +162,7 @@ void linear_amx(const uint16_t* xd, const uint16_t* wd, uint16_t* od, int64_t m,
 
 void register_linear_amx(Table& t) {
 #if CONVEYOR_HAS_AMX
-  if (amx_ready()) t.linear_amx = &linear_amx;
+  if (amx::ready(amx::kBf16)) t.linear_amx = &linear_amx;
 #else
   (void)t;
 #endif

@@ -46,9 +46,7 @@
 #include <immintrin.h>
 #define CONVEYOR_W8A8 1  // VNNI
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 #define CONVEYOR_W8A8_AMX 1
 #endif
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -469,23 +467,6 @@ void linear_w8a8(DType dt, const void* x, const int8_t* w, const int32_t* comp, 
 #if CONVEYOR_W8A8_AMX
 namespace {
 
-// Whether this CPU has AMX tiles with int8 (CPUID leaf 7: EDX bits 24 and 25) and Linux hands this process the
-// tile state (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA): an AMD Zen 4 or 5 runs this variant without AMX.
-bool amx_int8_ready() {
-  unsigned a, b, c, d;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1u) || !((d >> 25) & 1u)) return false;
-  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 constexpr int64_t kTileRows = 16;
 constexpr int64_t kAmxRowChunk = 256;  // rows per pass over a thread's weights (their activations stay in L2)
 constexpr int kAmxPrefetch = 4;  // B tiles asked for this many 64-wide K steps ahead (a decode step streams them)
@@ -578,12 +559,7 @@ void linear_w8a8_amx(DType dt, const void* x, const int8_t* w, const int32_t* co
   const Gemm g{xq.p, sxp, w, comp, sw, out, dt, kp, n};
   const int64_t nt = get_num_threads();
   parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
-    TileConfig cfg;
-    for (int t = 0; t < 8; ++t) {
-      cfg.rows[t] = kTileRows;
-      cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
+    amx::configure();
     alignas(64) int32_t cbuf[4 * 256];
     for (int64_t th = t0; th < t1; ++th) {
       const int64_t lo = nblk * th / nt, hi = nblk * (th + 1) / nt;
@@ -629,7 +605,7 @@ void register_linear_w8a8(Table& t) {
   t.w8a8_quantize = &w8a8_quantize;
   t.w8a8_isa = CONVEYOR_W8A8 == 1 ? "avx512-vnni" : "avx2";
 #if CONVEYOR_W8A8_AMX
-  if (amx_int8_ready()) {
+  if (amx::ready(amx::kInt8)) {
     t.linear_w8a8 = &linear_w8a8_amx;
     t.w8a8_isa = "amx-int8";
   }
