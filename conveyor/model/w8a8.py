@@ -32,6 +32,7 @@ reference path alike.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -47,15 +48,22 @@ METHOD = W8A8_QUANTIZATION  # "int8_per_channel"
 MIN_ABS_MAX = 1e-30  # a row of zeros quantizes to zeros (and scale 1e-30 / 127), not to NaN
 
 
-def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] float -> (q int8 [N, K] in [-127, 127], sw fp32 [N]): symmetric, one scale per output channel."""
+def quantize_weight(w: torch.Tensor, hadamard: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (q int8 [N, K] in [-127, 127], sw fp32 [N]): symmetric, one scale per output channel;
+    with `hadamard` > 0, of W H / hadamard (each row's blocks transformed in fp64 first, as W8A8Linear wants).
+
+    In slices of 256 rows: a transformed fp64 copy of a whole LM head would be 2 GiB at 1B, and a slice's
+    transform stays in cache."""
     q = torch.empty(w.shape, dtype=torch.int8)
     sw = torch.empty(w.shape[0], dtype=torch.float32)
-    for r in range(0, w.shape[0], 4096):  # in slices: an fp32 copy of a whole LM head would be ~1 GB at 1B
-        part = w[r:r + 4096].detach().float()
+    for r in range(0, w.shape[0], 256):
+        part = w[r:r + 256].detach()
+        if hadamard:
+            part = fwht_weight(part, hadamard) / hadamard  # the division is by a power of 2: exact
+        part = part.float()
         s = (part.abs().amax(dim=1) / 127).clamp(min=1e-12)
-        q[r:r + 4096] = torch.round(part / s[:, None]).clamp(-127, 127)
-        sw[r:r + 4096] = s
+        q[r:r + 256] = torch.round(part / s[:, None]).clamp(-127, 127)
+        sw[r:r + 256] = s
     return q, sw
 
 
@@ -71,6 +79,35 @@ def fwht(x: torch.Tensor, block: int) -> torch.Tensor:
         y = torch.stack((y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]), dim=2)
         h *= 2
     return y.reshape(x.shape)
+
+
+@functools.cache
+def _sylvester(f: int) -> torch.Tensor:
+    """The f x f Sylvester Hadamard matrix (f a power of two), fp64, symmetric."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < f:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def fwht_weight(w: torch.Tensor, block: int) -> torch.Tensor:
+    """fwht(w, block) in fp64 for a weight at load, by two Kronecker factors instead of log2(block) stages.
+
+    Why not `fwht`: its stages at h = 1, 2, 4 run on tensors whose innermost dimension is 1-4 values wide, which
+    torch walks element by element (an LM head of 128,256 x 2,048 took 57 s on a 2-core Zen 3, most of a 1B
+    model's 176 s W8A8 load). The Sylvester matrix factors, H_(ab) = H_a (x) H_b, so a block viewed as an a x b
+    matrix X becomes H_a X H_b: two dense products of at most 32 x 32 (3 s for that head, in the 256-row slices
+    `quantize_weight` hands in, which stay in cache). The sums run in another order than the stages', which does
+    not matter in fp64: bf16 weights' sums of 512 terms are exact there (the activations keep `fwht`, whose
+    order the kernel repeats in fp32)."""
+    y = w.reshape(-1, block).double()
+    p = block.bit_length() - 1
+    a, b = 1 << (p - p // 2), 1 << (p // 2)  # 512 -> 32 x 16
+    y = y.reshape(-1, a, b)
+    if b > 1:
+        y = y @ _sylvester(b)
+    y = (y.transpose(1, 2) @ _sylvester(a)).transpose(1, 2)  # H_a is symmetric: (H_a X)^T = X^T H_a
+    return y.reshape(w.shape)
 
 
 def quantize_activations(x: torch.Tensor, hadamard: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,8 +154,11 @@ def pack_weight(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     activations in as xq + 128 and subtracts it)."""
     n, k = q.shape
     kp = -(-k // 4) * 4
-    packed = F.pad(q, (0, kp - k)).view(n // 16, 16, kp // 4, 4).permute(0, 2, 1, 3).contiguous()
-    comp = (q.to(torch.int32).sum(dim=1) * 128).to(torch.int32).contiguous()
+    packed = (q if kp == k else F.pad(q, (0, kp - k))).view(n // 16, 16, kp // 4, 4).permute(0, 2, 1, 3).contiguous()
+    # in slices: a whole LM head's sums in one call widened it to int32 and int64 (+3.2 GiB at 1B, the load's peak)
+    comp = torch.empty(n, dtype=torch.int32)
+    for r in range(0, n, 4096):
+        comp[r:r + 4096] = q[r:r + 4096].sum(dim=1, dtype=torch.int32) * 128
     return packed, comp
 
 
@@ -153,9 +193,7 @@ class W8A8Linear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.dtype = dtype
         self.hadamard = hadamard
-        if hadamard:
-            weight = fwht(weight.detach().double(), hadamard) / hadamard  # in fp64; the division is by a power of 2
-        q, sw = quantize_weight(weight)
+        q, sw = quantize_weight(weight, hadamard)
         # the kernel takes 16 output columns at a time; other widths (none in the Llama family) run the reference
         self.kernel = kernel_available(dtype) and self.out_features % 16 == 0
         packed, comp = pack_weight(q) if self.kernel else (None, None)

@@ -40,6 +40,20 @@ def test_fwht_is_the_hadamard_product():
     torch.testing.assert_close(fwht(fwht(x, 32), 32) / 32, x, rtol=0, atol=1e-12)  # H H = 32 I
 
 
+@pytest.mark.parametrize("block", [16, 32, 64, 128, 256, 512])
+def test_the_weights_transform_is_the_stages_transform(block):
+    """`fwht_weight` (two Kronecker factors, for the load) gives the stages' fp64 values exactly on bf16 weights
+    (their sums are exact in fp64, in any order), hence the same int8 weights and scales."""
+    g = torch.Generator().manual_seed(block)
+    w = (torch.randn(300, block * 3, generator=g) * torch.rand(300, 1, generator=g)).to(torch.bfloat16)  # 2 slices
+    w[0, :block] = 0
+    w[1, 5] = 30.0  # an outlier the transform spreads
+    assert torch.equal(w8a8.fwht_weight(w, block), fwht(w.double(), block))
+    q, sw = w8a8.quantize_weight(w, block)
+    q0, sw0 = w8a8.quantize_weight(fwht(w.double(), block) / block)
+    assert torch.equal(q, q0) and torch.equal(sw, sw0)
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hadamard", [0, 16, 64])
