@@ -18,7 +18,9 @@ from pathlib import Path
 
 import psutil
 
+from conveyor.config import W8A8_QUANTIZATION
 from conveyor.model.llama import ModelConfig, linear_parts
+from conveyor.model.w8a8 import QUANTIZE_HEAD
 
 log = logging.getLogger("conveyor.runner")
 
@@ -79,6 +81,8 @@ def available_ram() -> int:
 
 
 def _linear_bytes(n: int, k: int, elem: int, quantization: str | None, lm_head: bool) -> int:
+    if quantization == W8A8_QUANTIZATION:  # int8 (K padded to 4), fp32 scales and int32 column sums (w8a8.py)
+        return n * (-(-k // 4) * 4) + 8 * n if not lm_head or QUANTIZE_HEAD else n * k * elem
     if quantization == "int8" or (quantization == "int4" and (lm_head or n % 16 or k % 32)):
         return n * k + 4 * n  # int8, one fp32 scale per output channel
     if quantization == "int4":

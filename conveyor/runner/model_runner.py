@@ -124,7 +124,7 @@ class ModelRunner:
         # int8 / int4: quantized by us (or a GGUF's Q4_0/Q4_1 kept for int4); gguf / none / unset: how a GGUF's
         # blocks are served (kept as blocks, model/gguf_weights.py, or dequantized), no quantization of ours
         method = config.quantization if config.quantization in ("int8", "int4") else None
-        # W8A8 (int8_per_channel): the model is loaded in the dtype, then each linear is quantized (w8a8.py)
+        # W8A8 (int8_per_channel): each linear is quantized as its layer is read (w8a8.py), like int8 / int4
         w8a8_on = config.quantization == W8A8_QUANTIZATION
         self.quantization = method or (config.quantization if w8a8_on else None)
         if method or w8a8_on:
@@ -173,13 +173,11 @@ class ModelRunner:
                      method, counts["quantized"], counts["from_checkpoint"], dense_rows_note(threshold),
                      f" (dense copies of {dense / 2**30:.2f} GiB)" if dense else "")
         if w8a8_on:
-            n = w8a8.quantize_model(self.model, self.dtype)
             log.info("weights: %s (W8A8: %d linear layers in int8%s, activations quantized per token after a "
-                     "block Hadamard transform, on %s)", config.quantization, n,
+                     "block Hadamard transform, on %s)", config.quantization, counts["quantized"],
                      "" if w8a8.QUANTIZE_HEAD else ", the LM head in " + str(self.dtype), w8a8.kernel_isa())
             if config.packed_linear and packing_available(self.device, self.dtype):
                 counts["packed"] += pack_linears(self.model)  # what stays in the dtype (the LM head)
-            _trim_heap()  # the float weights the int8 ones replaced
         self.packed_linears = counts["packed"]
         # every op on the compiled CPU path gives a token a result that depends only on its own request
         # (tests/engine/test_batch_invariance.py); the torch reference path (CUDA, no compiler) does not
@@ -221,7 +219,8 @@ class ModelRunner:
         weights plus about twice the largest layer (the LM head, read first, while nothing else is held).
         Returns counts of packed / quantized / kept-for-int4 / GGUF-block layers."""
         dtype, device = self.dtype, self.device
-        method = self.quantization if self.quantization in ("int8", "int4") else None  # W8A8 quantizes after
+        method = self.quantization if self.quantization in ("int8", "int4") else None
+        w8a8_on = self.quantization == W8A8_QUANTIZATION
         counts = {"packed": 0, "quantized": 0, "from_checkpoint": 0, "gguf": 0}
 
         def read(name: str) -> torch.Tensor:
@@ -280,6 +279,9 @@ class ModelRunner:
                 counts["quantized"] += 1
                 return QuantizedLinear(qw, bias, dtype)
             w = weight if weight is not None else read_fused(parts)
+            if w8a8_on and (module != "lm_head" or w8a8.QUANTIZE_HEAD):
+                counts["quantized"] += 1
+                return w8a8.W8A8Linear(w, bias, dtype, w8a8.hadamard_block(k))  # w is dropped once it returns
             lin = nn.Linear(k, n, bias=bias is not None, device="meta")
             lin.weight = w if isinstance(w, nn.Parameter) else nn.Parameter(w, requires_grad=False)
             if bias is not None:

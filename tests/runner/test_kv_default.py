@@ -51,7 +51,7 @@ def test_weight_estimate_matches_what_the_runner_holds(tiny_llama, monkeypatch):
     from conveyor.model.packed_linear import packing_available
 
     packed = packing_available(torch.device("cpu"), torch.bfloat16)
-    for quantization in (None, "int8", "int4"):
+    for quantization in (None, "int8", "int4", "int8_per_channel"):
         llm = LLM(str(tiny_llama), dtype="bfloat16", num_kv_blocks=8, max_model_len=64, quantization=quantization)
         held = llm.engine.info.weight_bytes
         est = estimate_weight_bytes(llm.engine.model_config, 2, quantization, packed)
