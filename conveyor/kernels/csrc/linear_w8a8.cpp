@@ -25,9 +25,10 @@
 // AVX-512 VNNI (vpdpbusd: unsigned bytes times signed bytes): activations go in as xq + 128 (0..255) and the
 // per-column constant comp is subtracted at the end: sum (xq + 128) q = sum xq q + 128 sum q.
 // AVX2 without VNNI (AMD Zen 3, Intel to Ice Lake's desktop parts): vpmaddubsw multiplies u8 by s8 into s16
-// pairs *with saturation*, which xq + 128 would reach (2 x 255 x 127 > 32767); so instead |xq| times q with xq's
+// pairs *with saturation*, which xq + 128 would reach (2 x 255 x 127 > 32767); so instead |q| times xq with q's
 // sign (vpsignb), at most 2 x 127 x 127 = 32,258 a pair: exact, no compensation; vpmaddwd by ones then sums pairs
-// into int32 lanes.
+// into int32 lanes. The sign goes onto the activations, not the weights: |q| is then taken once per weight vector
+// for all the tile's rows, and each row costs one vpsignb per vector instead of two for |xq| and xq's sign on q.
 // AMX-INT8 (Intel Xeon from Sapphire Rapids on; linear_w8a8_amx below): this layout is exactly its B tile (16
 // groups of 4 k by 16 columns, 64 bytes a tile row), and tdpbusd is vpdpbusd's arithmetic on 16 x 64 x 16 at once:
 // the same u8 x s8 products summed exactly in int32, the same compensation and epilogue, so the same bits.
@@ -380,13 +381,13 @@ void tile(const Gemm& g, int64_t r0, int64_t b0) {
     if (R <= 2) _mm_prefetch(reinterpret_cast<const char*>(p + 32 * 64), _MM_HINT_T0);
     const __m256i b0v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     const __m256i b1v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
+    const __m256i m0 = _mm256_abs_epi8(b0v), m1 = _mm256_abs_epi8(b1v);  // |q| <= 127, once for all R rows
     for (int r = 0; r < R; ++r) {
       int32_t four;
       std::memcpy(&four, x + r * g.kp + q * 4, 4);
       const __m256i a = _mm256_set1_epi32(four);
-      const __m256i mag = _mm256_sign_epi8(a, a);  // |xq|, as unsigned bytes <= 127
-      acc[r][0] += (v8si)_mm256_madd_epi16(_mm256_maddubs_epi16(mag, _mm256_sign_epi8(b0v, a)), ones);
-      acc[r][1] += (v8si)_mm256_madd_epi16(_mm256_maddubs_epi16(mag, _mm256_sign_epi8(b1v, a)), ones);
+      acc[r][0] += (v8si)_mm256_madd_epi16(_mm256_maddubs_epi16(m0, _mm256_sign_epi8(a, b0v)), ones);
+      acc[r][1] += (v8si)_mm256_madd_epi16(_mm256_maddubs_epi16(m1, _mm256_sign_epi8(a, b1v)), ones);
     }
   }
   for (int r = 0; r < R; ++r) {
