@@ -77,7 +77,8 @@ def test_activation_quantization_matches_the_reference(dtype, hadamard):
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 64, 16, 0), (3, 70, 48, 0), (17, 576, 960, 0), (70, 1536, 576, 512),
-                                   (5, 96, 32, 32)], ids=lambda s: "x".join(map(str, s)))
+                                   (5, 96, 32, 32), (4, 100, 32, 0), (6, 20, 16, 0)],
+                         ids=lambda s: "x".join(map(str, s)))
 def test_kernel_matches_the_reference_exactly(dtype, shape):
     """Exact int32 sums and the same fp32 scaling: the compiled kernel and the torch reference agree bit for bit."""
     m, k, n, had = shape
@@ -89,6 +90,27 @@ def test_kernel_matches_the_reference_exactly(dtype, shape):
     y = lin(x)
     assert y.shape == (1, m, n) and y.dtype == dtype
     assert torch.equal(y, lin.reference(x))
+
+
+@needs_kernel
+@pytest.mark.parametrize("k", [64, 36])
+def test_the_largest_sums_are_exact(k):
+    """Operands at the ends of their range, all products of one sign: where partial sums are largest (AVX2's
+    vpmaddubsw sums a pair of products in int16 with saturation, at most 2 x 127 x 127 = 32,258 with the sign
+    trick; a wider operand range would clip there), the kernel still gives the exact product; an odd number of
+    4-k groups (K = 36) too."""
+    w = torch.ones(32, k)
+    w[16:] = -1.0
+    x = torch.ones(3, k)
+    x[1] = -1.0
+    x[2, ::2] = -1.0
+    lin = W8A8Linear(w, None, torch.float32)
+    assert int(lin.weight_q().abs().min()) == 127
+    y = lin(x)
+    assert torch.equal(y, lin.reference(x))
+    # every operand is +-1: the integers are +-127 and the scales 1 / 127 (u8 activations xq + 128 would clip pairs
+    # of 255 x 127 at 32,767: y would be far off)
+    torch.testing.assert_close(y, x @ w.t(), rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
