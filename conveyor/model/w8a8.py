@@ -14,7 +14,7 @@ this scheme) is accepted too (`conveyor.config.QUANTIZATION_ALIASES`).
 
 Numerics, one definition for the compiled kernel (kernels/csrc/linear_w8a8.cpp) and the reference here:
 - a block Walsh-Hadamard transform H (blocks of `hadamard_block(K)` inputs) on both sides, which leaves x W^T
-  as it is (H H = b I) and spreads outliers (quantize_model says why): W' = W H / b, x' = x H in fp32;
+  as it is (H H = b I) and spreads outliers (linear_for says why): W' = W H / b, x' = x H in fp32;
 - weights: symmetric per output channel, `sw = max|w'| / 127` (fp32, not rounded further), q in [-127, 127];
 - activations: symmetric per row, `a = max|x'|` (at least 1e-30), `xq = round_half_even(x' * (127 / a))`,
   `sx = a / 127`; a row with a NaN or an infinity gets `sx = NaN` and `xq = 0` (its outputs are NaN);
@@ -240,9 +240,10 @@ QUANTIZE_HEAD = True
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module, dtype: torch.dtype) -> int:
-    """Replace every nn.Linear of `model` (the LM head too, if QUANTIZE_HEAD) by a W8A8Linear with the Hadamard
-    block of its input width; returns how many.
+def linear_for(name: str, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> W8A8Linear | None:
+    """The W8A8 layer for the linear `name` (a module path: "lm_head" is the head), with the Hadamard block of
+    its input width; None for the LM head where QUANTIZE_HEAD is off. The one place that decides which linears
+    W8A8 quantizes and how: the loader (model_runner, layer by layer) and `quantize_model` both ask here.
 
     Why the Hadamard transform on every input: per-token int8 rounds every value of a row to a step of the row's
     largest value / 127, and these models' activations have a few channels far larger than the rest (the
@@ -254,12 +255,19 @@ def quantize_model(model: nn.Module, dtype: torch.dtype) -> int:
     (A rotation of the whole residual stream folded into the weights at load, with a transform on down_proj's
     input only, measured +0.6-0.9%: rounding the rotated stream to bf16 costs precision by itself, and it
     would have untied the head, turned pooled embeddings and broken LoRA adapters.)"""
+    if name == "lm_head" and not QUANTIZE_HEAD:
+        return None
+    return W8A8Linear(weight, bias, dtype, hadamard_block(weight.shape[1]))
+
+
+def quantize_model(model: nn.Module, dtype: torch.dtype) -> int:
+    """Replace every nn.Linear of an already built `model` by its `linear_for` layer; returns how many (the
+    loader quantizes as it reads instead: this is for a model built in float, as the tests build one)."""
     count = 0
     for name, lin in [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]:
-        if name == "lm_head" and not QUANTIZE_HEAD:
-            continue
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, W8A8Linear(lin.weight, lin.bias, dtype, hadamard_block(lin.in_features)))
-        count += 1
+        layer = linear_for(name, lin.weight, lin.bias, dtype)
+        if layer is not None:
+            parent_name, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, attr, layer)
+            count += 1
     return count

@@ -279,9 +279,9 @@ class ModelRunner:
                 counts["quantized"] += 1
                 return QuantizedLinear(qw, bias, dtype)
             w = weight if weight is not None else read_fused(parts)
-            if w8a8_on and (module != "lm_head" or w8a8.QUANTIZE_HEAD):
+            if w8a8_on and (layer := w8a8.linear_for(module, w, bias, dtype)) is not None:
                 counts["quantized"] += 1
-                return w8a8.W8A8Linear(w, bias, dtype, w8a8.hadamard_block(k))  # w is dropped once it returns
+                return layer  # w is dropped once it returns
             lin = nn.Linear(k, n, bias=bias is not None, device="meta")
             lin.weight = w if isinstance(w, nn.Parameter) else nn.Parameter(w, requires_grad=False)
             if bias is not None:
