@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import queue
 import signal
@@ -232,6 +233,34 @@ def _process_main(config: EngineConfig, conn, log_level: int) -> None:
     engine.close()  # the disk tier's last writes (multiprocessing ends a child without atexit handlers)
 
 
+class ProcessWatch:
+    """Whether a child process has ended, and its exit code, safe to ask from several threads.
+
+    Why not `Process.is_alive()` from any thread: a forkserver child's exit code is 8 bytes the forkserver
+    writes once on the process's sentinel pipe, and `is_alive()` / `join()` / `exitcode` read them. Two threads
+    reading at once leave one at end of file, which multiprocessing records as exit code 255: a SIGKILL reported
+    as "exited with code 255" (1 kill in 5 with a thread polling; `tests/engine/test_clients.py`). So `ended`
+    only looks (at the code once read, else at the sentinel: readable once the process is gone, but for a moment
+    not, between the code's read and the forkserver closing the pipe) and one lock owns reading the code."""
+
+    def __init__(self, process: mp.process.BaseProcess) -> None:
+        self.process = process
+        self._lock = threading.Lock()
+        self._code: int | None = None
+
+    def ended(self) -> bool:
+        """Whether the process has ended; reads nothing."""
+        return self._code is not None or bool(mp.connection.wait([self.process.sentinel], 0))
+
+    def exit_code(self, timeout: float | None) -> int | None:
+        """Wait up to `timeout` for the process to end; its exit code (negative: the signal), None if it runs."""
+        with self._lock:
+            if self._code is None:
+                self.process.join(timeout)
+                self._code = self.process.exitcode
+            return self._code
+
+
 class ProcessEngineClient(EngineClient):
     """The loop in a child process (`process_context`: forked from a clean forkserver, or spawned; either
     way its own interpreter state and its own OpenMP team).
@@ -240,7 +269,8 @@ class ProcessEngineClient(EngineClient):
     one). The phases the child reports while it loads are set on this process's `startup.progress`. A
     reader thread turns the child's outputs into `on_output` calls; if the child dies without a final
     output (killed, crashed hard), the reader reports it as an engine error naming the exit code or
-    signal. `terminate()` sends SIGTERM to the child."""
+    signal. `terminate()` sends SIGTERM to the child. The process is watched through `ProcessWatch`: `/health`
+    asks `alive` on the event loop while the reader thread asks why the process died."""
 
     def __init__(self, config: EngineConfig, ready_timeout_s: float = 900.0, tokenizer: object | None = None) -> None:
         super().__init__()
@@ -250,6 +280,7 @@ class ProcessEngineClient(EngineClient):
         self.process = ctx.Process(target=_process_main, args=(config, child, logging.getLogger().level),
                                    name="conveyor-engine", daemon=True)
         self.process.start()
+        self.watch = ProcessWatch(self.process)
         child.close()
         if tokenizer is None:
             from conveyor.model.loader import load_tokenizer
@@ -265,14 +296,13 @@ class ProcessEngineClient(EngineClient):
             try:
                 hello: EngineReady | EngineFailed | EnginePhase = self._conn.recv()
             except EOFError:
-                self.process.join(5)
-                raise RuntimeError(f"the engine process {describe_exit(self.process.exitcode)[1]} while loading"
+                raise RuntimeError(f"the engine process {describe_exit(self.watch.exit_code(5))[1]} while loading"
                                    ) from None
             if not isinstance(hello, EnginePhase):
                 break
             startup.phase(hello.name, hello.detail)
         if isinstance(hello, EngineFailed):
-            self.process.join(5)
+            self.watch.exit_code(5)
             raise ValueError(hello.message)
         self.info = hello.info
         self._reader = threading.Thread(target=self._read, name="conveyor-engine-reader", daemon=True)
@@ -292,8 +322,7 @@ class ProcessEngineClient(EngineClient):
             if out.final:
                 return
         if not self.ended:  # the process went away without a word
-            self.process.join(5)
-            cause, words = describe_exit(self.process.exitcode)
+            cause, words = describe_exit(self.watch.exit_code(5))
             self._deliver(LoopOutput([], None, None, time.monotonic(), error=f"the engine process {words}",
                                      cause=cause, final=True))
 
@@ -306,23 +335,22 @@ class ProcessEngineClient(EngineClient):
 
     @property
     def alive(self) -> bool:
-        return self.error is None and not self.ended and self.process.is_alive()
+        return self.error is None and not self.ended and not self.watch.ended()
 
     @property
     def pid(self) -> int | None:
         return self.process.pid
 
     def terminate(self) -> None:
-        if self.process.is_alive():
+        if not self.watch.ended():
             os.kill(self.process.pid, signal.SIGTERM)
 
     def join(self, timeout: float | None = None) -> None:
         if self._reader.is_alive() and self._reader is not threading.current_thread():
             self._reader.join(timeout)
-        self.process.join(timeout)
-        if self.process.is_alive():
+        if self.watch.exit_code(timeout) is None:
             self.process.kill()
-            self.process.join(5)
+            self.watch.exit_code(5)
 
     def release(self) -> None:
         super().release()

@@ -239,7 +239,8 @@ def test_engine_process_killed_seven_times_under_load_then_a_crash_loop_exits_1(
         assert restarting and all(h["phase"] and h["cause"] for h in restarting), health[-5:]
         restarts = samples(url, "conveyor:engine_restarts_total")
         assert sum(restarts.values()) == len(kill_times), restarts
-        assert restarts.get((("cause", "SIGKILL"),), 0) >= len(kill_times) - 1, restarts
+        assert restarts.get((("cause", "SIGKILL"),), 0) >= len(kill_times) - 1, (
+            restarts, [line for line in server_output(proc).splitlines() if "engine restart " in line])
         requests = samples(url, "conveyor:engine_restart_requests_total")
         assert requests[(("outcome", "requeued"),)] >= 1, requests
         assert samples(url, "conveyor:engine_alive")[()] == 1
