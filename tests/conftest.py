@@ -34,14 +34,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     churn starts one every second or so: tests/engine, tests/scheduler and tests/runner spent 49.7 of 238 s in
     the collector (174 full passes), 5.6 of 188 s with this (a 2-core Zen 3, `gc.callbacks`). Only imports
     are alive here, no test's engine, so everything a test makes is still collected."""
-    import gc
-
     from transformers import LlamaForCausalLM  # noqa: F401 - `build_tiny_llama`'s model class
 
     import conveyor.engine.preload  # noqa: F401
+    from conveyor.startup import freeze_startup_heap
 
-    gc.collect()
-    gc.freeze()
+    freeze_startup_heap()
 
 
 @pytest.fixture(autouse=True)
