@@ -4,7 +4,9 @@
 
 SmolLM2's attention shape (9 query / 3 KV heads, head dim 64, 16-token blocks scattered through the pool, bf16):
 64 decodes of 350 keys; 64 decodes of 130-570 keys; 60 of those beside a 256-token prompt (a mixed step); the
-prompt alone. Then RMSNorm with the residual add over 64 and 1,024 rows of 576. Each number is the best of
+prompt alone. Then prefill attention at the Llama-3.2-1B shape (32 query / 8 KV heads, head dim 64): a 2,048-token
+chunk after 0 and after 512 cached tokens, with its rate (the causal FLOPs: 4 x head dim a query head and key seen).
+Then RMSNorm with the residual add over 64 and 1,024 rows of 576. Each number is the best of
 `--rounds` rounds of 5 calls, per layer. Why alone: the whole load's throughput moves 10-30% with this VM's
 drift, while one kernel's best-of-N shows a change of a few percent. For a before/after, run it on both
 builds in alternation.
@@ -58,6 +60,11 @@ def main() -> None:
     print("\n| paged attention, SmolLM2's shape | ms per layer |\n|---|---|")
     for name, reqs in steps.items():
         print(f"| {name} | {attention_step(reqs, args.rounds):.3f} |", flush=True)
+    print("\n| paged attention, the 1B shape (32 / 8 heads, D 64), prefill | ms per layer | GFLOP/s |\n|---|---|---|")
+    for cached in (0, 512):
+        ms = attention_step([(cached, 2048)], args.rounds, h=32, hkv=8)
+        flops = 32 * 4 * 64 * sum(cached + i + 1 for i in range(2048))
+        print(f"| 2,048 tokens after {cached} cached | {ms:.2f} | {flops / ms / 1e6:.0f} |", flush=True)
     g = torch.Generator().manual_seed(2)
     x, res = (torch.randn(1024, 576, generator=g).bfloat16() for _ in range(2))
     w = torch.randn(576, generator=g).bfloat16()
