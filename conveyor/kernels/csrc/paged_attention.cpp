@@ -458,6 +458,23 @@ inline void tile16_dp(const uint32_t (*Qp)[D / 2], float (*acc)[D], float* m, fl
   pv_dp<D, NR, PACKED_ROWS>(pw, corr, rescale, acc, n, vt, nullptr);
 }
 
+// Calls f(std::integral_constant<int, n>{}) for a row count n of 1 to 8 known only at run time: the row-block
+// kernels take theirs as a template parameter, since their accumulators are arrays of registers.
+template <typename F>
+__attribute__((always_inline)) inline void with_rows(int n, F&& f) {
+  switch (n) {
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    default: break;
+  }
+}
+
 // One tile for all rows of an item. Up to 8 rows: one block (`tile16_dp`). More (a prompt's tile of tokens): K
 // permuted and V interleaved once for all of them (`TilePrep`), then three passes: every row's scores (blocks
 // of 8 rows), every row's softmax, P.V (blocks of 4 rows: a block of 4 rows x 64 dimensions uses each weight's
@@ -468,19 +485,9 @@ inline void tiles_dp(const uint32_t (*Qp)[D / 2], float (*acc)[D], float* m, flo
                      const bf16* kt, int64_t kstride, const bf16* vt, float scale) {
   const int nl = std::max(valid[rows - 1], 0);  // rows are in position order: the last sees the most keys
   if (rows <= 8) {
-#define CONVEYOR_TILE_DP(NR) tile16_dp<D, NR, PACKED_ROWS>(Qp, acc, m, l, valid, nl, kt, kstride, vt, scale)
-    switch (rows) {
-      case 8: CONVEYOR_TILE_DP(8); break;
-      case 7: CONVEYOR_TILE_DP(7); break;
-      case 6: CONVEYOR_TILE_DP(6); break;
-      case 5: CONVEYOR_TILE_DP(5); break;
-      case 4: CONVEYOR_TILE_DP(4); break;
-      case 3: CONVEYOR_TILE_DP(3); break;
-      case 2: CONVEYOR_TILE_DP(2); break;
-      case 1: CONVEYOR_TILE_DP(1); break;
-      default: break;
-    }
-#undef CONVEYOR_TILE_DP
+    with_rows(rows, [&](auto nr) {
+      tile16_dp<D, decltype(nr)::value, PACKED_ROWS>(Qp, acc, m, l, valid, nl, kt, kstride, vt, scale);
+    });
     return;
   }
   alignas(64) TilePrep<D> tp;
@@ -501,47 +508,25 @@ inline void tiles_dp(const uint32_t (*Qp)[D / 2], float (*acc)[D], float* m, flo
   alignas(64) uint32_t pw[MAX_ROWS][8];  // the weights as bf16 pairs (keys 2j, 2j + 1)
   float corr[MAX_ROWS];
   bool moved[MAX_ROWS];
+  auto scores = [&](int r, auto nr) {  // rows r .. r + NR - 1
+    constexpr int NR = decltype(nr)::value;
+    __m512 s[NR];
+    scores_dp<D, NR, PACKED_ROWS>(Qp + r, s, kt, kstride, scale, &tp);
+    for (int i = 0; i < NR; ++i) _mm512_store_ps(S[r + i], s[i]);
+  };
   const int octs = rows & ~7;
-  for (int r = 0; r < octs; r += 8) {
-    __m512 s[8];
-    scores_dp<D, 8, PACKED_ROWS>(Qp + r, s, kt, kstride, scale, &tp);
-    for (int i = 0; i < 8; ++i) _mm512_store_ps(S[r + i], s[i]);
-  }
-#define CONVEYOR_SCORES_DP(NR)                                                  \
-  {                                                                             \
-    __m512 s[NR];                                                               \
-    scores_dp<D, NR, PACKED_ROWS>(Qp + octs, s, kt, kstride, scale, &tp);       \
-    for (int i = 0; i < NR; ++i) _mm512_store_ps(S[octs + i], s[i]);            \
-  }
-  switch (rows - octs) {
-    case 7: CONVEYOR_SCORES_DP(7); break;
-    case 6: CONVEYOR_SCORES_DP(6); break;
-    case 5: CONVEYOR_SCORES_DP(5); break;
-    case 4: CONVEYOR_SCORES_DP(4); break;
-    case 3: CONVEYOR_SCORES_DP(3); break;
-    case 2: CONVEYOR_SCORES_DP(2); break;
-    case 1: CONVEYOR_SCORES_DP(1); break;
-    default: break;
-  }
-#undef CONVEYOR_SCORES_DP
+  for (int r = 0; r < octs; r += 8) scores(r, std::integral_constant<int, 8>{});
+  with_rows(rows - octs, [&](auto nr) { scores(octs, nr); });
   for (int i = 0; i < rows; ++i) moved[i] = softmax_dp(_mm512_load_ps(S[i]), m[i], l[i], valid[i], pw[i], corr[i]);
-  auto any_moved = [&](int r0, int r1) {
-    bool any = false;
-    for (int i = r0; i < r1; ++i) any |= moved[i];
-    return any;
+  auto pv = [&](int r, auto nr) {  // rows r .. r + NR - 1, over the keys the last of them sees
+    constexpr int NR = decltype(nr)::value;
+    bool rescale = false;
+    for (int i = r; i < r + NR; ++i) rescale |= moved[i];
+    pv_dp<D, NR, PACKED_ROWS>(pw + r, corr + r, rescale, acc + r, std::max(valid[r + NR - 1], 0), vt, &tp);
   };
   const int quads = rows & ~3;
-  for (int r = 0; r < quads; r += 4)
-    pv_dp<D, 4, PACKED_ROWS>(pw + r, corr + r, any_moved(r, r + 4), acc + r, std::max(valid[r + 3], 0), vt, &tp);
-#define CONVEYOR_PV_DP(NR) \
-  pv_dp<D, NR, PACKED_ROWS>(pw + quads, corr + quads, any_moved(quads, rows), acc + quads, nl, vt, &tp)
-  switch (rows - quads) {
-    case 3: CONVEYOR_PV_DP(3); break;
-    case 2: CONVEYOR_PV_DP(2); break;
-    case 1: CONVEYOR_PV_DP(1); break;
-    default: break;
-  }
-#undef CONVEYOR_PV_DP
+  for (int r = 0; r < quads; r += 4) pv(r, std::integral_constant<int, 4>{});
+  with_rows(rows - quads, [&](auto nr) { pv(quads, nr); });
 }
 #else
 #define CONVEYOR_ATTN_DPBF16 0
